@@ -1,0 +1,3 @@
+"""specwire: speculative decoding across two gRPC services."""
+
+__version__ = "0.1.0"
