@@ -28,3 +28,6 @@ test: install-test
 
 lint: install-test
 	$(VENV)/bin/ruff check .
+
+proto:
+	proto/generate.sh

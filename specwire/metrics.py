@@ -1,0 +1,175 @@
+"""Prometheus metrics of the two services, each in its own registry, served over HTTP on --metrics-port.
+
+Speculation counters keep vLLM's meaning so its dashboards and queries carry over: acceptance rate is
+rate(num_accepted_tokens) / rate(num_draft_tokens), mean acceptance length 1 + rate(accepted) / rate(drafts).
+Labels are low-cardinality enums only (never request ids).
+"""
+
+from collections.abc import Sequence
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+PREFIX = "specwire"
+
+# Bucket edges in seconds, each spanning what its latency does from a fast GPU to an overloaded one.
+TTFT_BUCKETS = (
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.15,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    20.0,
+    30.0,
+)
+ITL_BUCKETS = (
+    0.001,
+    0.002,
+    0.004,
+    0.006,
+    0.008,
+    0.01,
+    0.015,
+    0.02,
+    0.03,
+    0.04,
+    0.05,
+    0.075,
+    0.1,
+    0.2,
+    0.5,
+    1.0,
+    2.0,
+)
+E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
+# An RPC round trip or a draft step: 0.1 ms (loopback, tiny batch) to 1 s (a stalled peer).
+STEP_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0)
+
+FALLBACK_REASONS = ("down", "timeout", "bad_payload")
+STEP_MODES = ("cuda_graph", "eager")
+BAD_PAYLOAD_REASONS = ("bad_tensor", "unknown_request", "probs_mismatch")
+DIRECTIONS = ("sent", "received")
+
+
+class _ServiceMetrics:
+    """What both services count: forward steps by mode, bytes on the drafter link, payloads refused."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self._http = None
+        self.forward_steps = self._counter(
+            "forward_steps", "Model forward steps, replayed from a CUDA graph or run eagerly.", ["mode"]
+        )
+        self.drafter_rpc_bytes = self._counter(
+            "drafter_rpc_bytes", "Serialized bytes of Draft stream messages.", ["direction"]
+        )
+        self.bad_payloads = self._counter(
+            "bad_payloads",
+            "Drafter-link messages (or parts) refused: malformed tensor, unknown request id, "
+            "probabilities that do not match their kind.",
+            ["reason"],
+        )
+        # Pre-create every label value, so rate() sees a 0 before the first event instead of no series.
+        for mode in STEP_MODES:
+            self.forward_steps.labels(mode=mode)
+        for direction in DIRECTIONS:
+            self.drafter_rpc_bytes.labels(direction=direction)
+        for reason in BAD_PAYLOAD_REASONS:
+            self.bad_payloads.labels(reason=reason)
+
+    def _counter(self, name: str, doc: str, labels: Sequence[str] = ()) -> Counter:
+        return Counter(f"{PREFIX}_{name}", doc, labels, registry=self.registry)
+
+    def _histogram(self, name: str, doc: str, buckets: Sequence[float]) -> Histogram:
+        return Histogram(f"{PREFIX}_{name}", doc, buckets=buckets, registry=self.registry)
+
+    def _gauge(self, name: str, doc: str) -> Gauge:
+        return Gauge(f"{PREFIX}_{name}", doc, registry=self.registry)
+
+    def serve(self, port: int, addr: str = "0.0.0.0") -> int:
+        """Serves /metrics on a daemon thread; returns the bound port (`port` 0 picks a free one)."""
+        if self._http is not None:
+            raise RuntimeError("metrics already served")
+        self._http, _thread = start_http_server(port, addr=addr, registry=self.registry)
+        return self._http.server_address[1]
+
+    def close(self) -> None:
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+            self._http = None
+
+
+class VerifierMetrics(_ServiceMetrics):
+    def __init__(self) -> None:
+        super().__init__()
+        c, h, g = self._counter, self._histogram, self._gauge
+        self.num_drafts = c(
+            "spec_decode_num_drafts", "Verification rounds of a request with >= 1 draft token."
+        )
+        self.num_draft_tokens = c("spec_decode_num_draft_tokens", "Draft tokens verified.")
+        self.num_accepted_tokens = c("spec_decode_num_accepted_tokens", "Draft tokens accepted.")
+        self.num_accepted_tokens_per_pos = c(
+            "spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted at each draft position (0-based).",
+            ["position"],
+        )
+        self.prompt_tokens = c("prompt_tokens", "Prompt tokens prefilled.")
+        self.generation_tokens = c("generation_tokens", "Tokens generated.")
+        self.requests_finished = c(
+            "requests_finished", "Finished requests by finish reason.", ["finish_reason"]
+        )
+        self.time_to_first_token = h(
+            "time_to_first_token_seconds", "Request arrival to first token.", TTFT_BUCKETS
+        )
+        self.inter_token_latency = h(
+            "inter_token_latency_seconds", "Time between a request's output tokens.", ITL_BUCKETS
+        )
+        self.e2e_request_latency = h(
+            "e2e_request_latency_seconds", "Request arrival to last token.", E2E_BUCKETS
+        )
+        self.num_requests_running = g("num_requests_running", "Requests in the decode batch.")
+        self.num_requests_waiting = g("num_requests_waiting", "Requests queued for a slot.")
+        self.drafter_rpc_latency = h(
+            "drafter_rpc_latency_seconds", "DraftStep sent to its DraftResult received.", STEP_BUCKETS
+        )
+        self.fallback_steps = c(
+            "fallback_steps", "Steps decoded without drafts because of a drafter fault.", ["reason"]
+        )
+        for reason in FALLBACK_REASONS:
+            self.fallback_steps.labels(reason=reason)
+
+    def observe_verification(self, num_draft_tokens: Sequence[int], num_accepted: Sequence[int]) -> None:
+        """Counts one verify step: per request, the draft tokens it verified and how many were accepted."""
+        per_position: dict[int, int] = {}
+        drafts = 0
+        for drafted, accepted in zip(num_draft_tokens, num_accepted, strict=True):
+            if not 0 <= accepted <= drafted:
+                raise ValueError(f"accepted {accepted} draft tokens out of {drafted}")
+            drafts += drafted > 0
+            for position in range(accepted):
+                per_position[position] = per_position.get(position, 0) + 1
+        self.num_drafts.inc(drafts)
+        self.num_draft_tokens.inc(sum(num_draft_tokens))
+        self.num_accepted_tokens.inc(sum(num_accepted))
+        for position, count in per_position.items():
+            self.num_accepted_tokens_per_pos.labels(position=str(position)).inc(count)
+
+
+class DrafterMetrics(_ServiceMetrics):
+    def __init__(self) -> None:
+        super().__init__()
+        self.draft_step_time = self._histogram(
+            "drafter_step_seconds", "Compute time of one DraftStep (updates + drafting).", STEP_BUCKETS
+        )
+        self.num_requests = self._gauge("drafter_num_requests", "Requests whose state the drafter holds.")
+        self.draft_tokens = self._counter("drafter_draft_tokens", "Draft tokens proposed.")

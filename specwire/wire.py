@@ -1,0 +1,81 @@
+"""Tensor <-> `specwire.v1.Tensor` codec: raw little-endian bytes, a dtype and a shape, checked on the way in.
+
+Decoding never trusts the sender: the dtype must be one we know, the byte count must match the shape, and the
+element count is bounded, so a bad or hostile payload raises `WireError` instead of allocating or misreading.
+"""
+
+import math
+import sys
+
+import torch
+
+from specwire.v1 import drafter_pb2 as pb
+
+# Version of the verifier <-> drafter protocol (drafter.proto semantics), checked in the handshake.
+PROTOCOL_VERSION = 1
+
+# 1 << 26 float32 elements is 256 MiB, far above any real payload (a [64 x 4, 49152] dense probs is 50 M).
+DEFAULT_MAX_ELEMENTS = 1 << 26
+
+_TORCH_DTYPE = {
+    pb.DTYPE_FLOAT32: torch.float32,
+    pb.DTYPE_BFLOAT16: torch.bfloat16,
+    pb.DTYPE_FLOAT16: torch.float16,
+    pb.DTYPE_INT32: torch.int32,
+    pb.DTYPE_INT64: torch.int64,
+}
+_WIRE_DTYPE = {v: k for k, v in _TORCH_DTYPE.items()}
+# bfloat16 has no numpy twin, so its bytes travel through a same-width integer view.
+_BYTE_VIEW = {torch.bfloat16: torch.int16}
+
+# The wire is little-endian and tensors are copied as raw memory, which is only right on a little-endian host.
+if sys.byteorder != "little":
+    raise ImportError("specwire.wire needs a little-endian host")
+
+
+class WireError(ValueError):
+    """A Tensor message (or a tensor to encode) is malformed; the message names the bad value."""
+
+
+def encode_tensor(tensor: torch.Tensor) -> pb.Tensor:
+    """Copies `tensor` (any device, any strides) into a Tensor message."""
+    if tensor.dtype not in _WIRE_DTYPE:
+        raise WireError(f"cannot encode dtype {tensor.dtype}; supported: {sorted(map(str, _WIRE_DTYPE))}")
+    host = tensor.detach().to("cpu").contiguous()
+    flat = host.reshape(-1).view(_BYTE_VIEW.get(host.dtype, host.dtype))
+    return pb.Tensor(data=flat.numpy().tobytes(), dtype=_WIRE_DTYPE[host.dtype], shape=list(host.shape))
+
+
+def decode_tensor(
+    message: pb.Tensor,
+    *,
+    dtypes: tuple[torch.dtype, ...] | None = None,
+    ndim: int | None = None,
+    max_elements: int = DEFAULT_MAX_ELEMENTS,
+    name: str = "tensor",
+) -> torch.Tensor:
+    """Returns a CPU tensor that owns a copy of `message`'s bytes.
+
+    `dtypes` and `ndim` narrow what the caller accepts; `name` labels errors ("proposal r1 probs").
+    """
+    dtype = _TORCH_DTYPE.get(message.dtype)
+    if dtype is None:
+        raise WireError(f"{name}: unknown dtype enum value {message.dtype}")
+    if dtypes is not None and dtype not in dtypes:
+        raise WireError(f"{name}: dtype {dtype} not allowed here; expected one of {[str(d) for d in dtypes]}")
+    shape = tuple(message.shape)
+    if ndim is not None and len(shape) != ndim:
+        raise WireError(f"{name}: shape {list(shape)} has {len(shape)} dims, expected {ndim}")
+    if any(d < 0 for d in shape):
+        raise WireError(f"{name}: negative dimension in shape {list(shape)}")
+    numel = math.prod(shape)
+    if numel > max_elements:
+        raise WireError(f"{name}: shape {list(shape)} has {numel} elements, over the bound {max_elements}")
+    need = numel * dtype.itemsize
+    if len(message.data) != need:
+        raise WireError(f"{name}: {len(message.data)} bytes, shape {list(shape)} of {dtype} needs {need}")
+    if numel == 0:
+        return torch.empty(shape, dtype=dtype)
+    # bytearray: torch.frombuffer wants writable memory, and the copy frees us from the message's lifetime.
+    flat = torch.frombuffer(bytearray(message.data), dtype=_BYTE_VIEW.get(dtype, dtype))
+    return flat.view(dtype).reshape(shape)
