@@ -1,0 +1,65 @@
+"""Rejection sampler on CUDA: compiled Philox, kernel == reference, losslessness and determinism on the GPU.
+
+The full grid (batch 1..128, k 0..8, V up to 128256) is bench/rejection_sampler_grid.py.
+"""
+
+import functools
+
+import pytest
+import torch
+from specwire.kernels.rejection_sampler import SamplerInputError, rejection_sample
+from test_rejection_sampler import (
+    _lossless,
+    _real_sampler,
+    _seeded_output,
+    count_mismatches,
+    make_batch,
+    philox_parity,
+)
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+def test_philox_matches_triton_cuda():
+    philox_parity("cuda")
+
+
+@pytest.mark.parametrize("mode", ["none", "dense", "sparse"])
+@pytest.mark.parametrize("V", [100, 8193, 49152])
+def test_kernel_matches_reference(mode, V):
+    mismatches = decisions = 0
+    for seed, (B, max_k) in enumerate(((1, 0), (7, 3), (64, 4), (128, 8))):
+        for filter_frac, synthetic in ((0.0, False), (0.4, False), (0.0, True)):
+            batch = make_batch(B, V, max_k, mode, seed=seed, filter_frac=filter_frac, K=32,
+                               synthetic=synthetic, device="cuda")
+            m, d = count_mismatches(batch)
+            mismatches, decisions = mismatches + m, decisions + d
+    assert mismatches <= 1e-4 * decisions, f"{mismatches} mismatching requests in {decisions} rows"
+
+
+@pytest.mark.parametrize("mode", ["dense", "sparse", "none"])
+def test_kernel_is_lossless(mode):
+    assert _lossless(functools.partial(_real_sampler, backend="triton", device="cuda"), mode)
+
+
+def test_seeded_request_repeats_in_any_batch_cuda():
+    batch = make_batch(6, 8193, 3, "dense", seed=11, greedy_frac=0.0, filter_frac=0.5, invalid_frac=0.0,
+                       device="cuda")
+    alone = {b: _seeded_output(batch, [b], "triton")[b] for b in (0, 3)}
+    mixed = _seeded_output(batch, [5, 3, 1, 0], "triton")
+    assert mixed[0] == alone[0] and mixed[3] == alone[3]
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_logits_raise_cuda(bad):
+    batch = make_batch(3, 8193, 2, "dense", seed=2, device="cuda")
+    batch["target_logits"][1, 4097] = bad
+    with pytest.raises(SamplerInputError, match="rows"):
+        rejection_sample(**batch)
+
+
+def test_target_only_bfloat16_logits():
+    batch = make_batch(32, 49152, 0, "none", seed=5, filter_frac=0.5, device="cuda")
+    batch["target_logits"] = batch["target_logits"].bfloat16()
+    ref, out = (rejection_sample(**batch, backend=b) for b in ("torch", "triton"))
+    assert torch.equal(ref.tokens, out.tokens)
