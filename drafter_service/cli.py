@@ -1,0 +1,100 @@
+"""`specwire drafter`: serve EAGLE drafts for a target model over gRPC (the Drafter service)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+from pathlib import Path
+
+from specwire import grpc_common
+
+DEFAULT_HEAD = Path(__file__).resolve().parent / "heads" / "smollm2-135m-eagle"
+
+log = logging.getLogger("specwire.drafter")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    env = grpc_common.env_default
+    grpc_common.add_server_arguments(parser, default_listen="0.0.0.0:50052")
+    parser.add_argument("--model", default=env("SPECWIRE_MODEL", None),
+                        help="the target model: GGUF file or Hugging Face directory (default: SmolLM2)")
+    parser.add_argument("--head", default=env("SPECWIRE_HEAD", None),
+                        help=f"EAGLE head directory (default: the shipped {DEFAULT_HEAD.name})")
+    parser.add_argument("--device", default=env("SPECWIRE_DEVICE", None), help="cpu or cuda[:N]")
+    parser.add_argument("--dtype", default=env("SPECWIRE_DTYPE", None), choices=["bf16", "fp16", "fp32"],
+                        help="head weights and cache (default: bf16 on CUDA, fp32 on CPU)")
+    parser.add_argument("--max-requests", type=int, default=env("SPECWIRE_MAX_REQUESTS", 64),
+                        help="requests held at once, over all verifiers (default 64)")
+    parser.add_argument("--max-drafts", type=int, default=env("SPECWIRE_MAX_DRAFTS", 8),
+                        help="most draft tokens per request per step (default 8)")
+    parser.add_argument("--max-top-k", type=int, default=env("SPECWIRE_MAX_TOP_K", 64),
+                        help="widest top-K of sampled drafts (default 64)")
+    parser.add_argument("--max-context", type=int, default=env("SPECWIRE_MAX_CONTEXT", 2048),
+                        help="head KV-cache positions per request (default 2048)")
+    parser.add_argument("--no-cuda-graphs", action="store_true", help="draft eagerly")
+    parser.add_argument("--metrics-port", type=int, default=env("SPECWIRE_METRICS_PORT", None),
+                        help="serve Prometheus /metrics on this port (env SPECWIRE_METRICS_PORT)")
+    grpc_common.add_logging_arguments(parser)
+
+
+def load_proposer(args: argparse.Namespace):
+    """(proposer, target config, tokenizer fingerprint, head name) from the flags."""
+    from specwire.drafter.eagle_head import load_eagle_head  # torch loads here, once the flags are valid
+    from specwire.drafter.proposer import EagleProposer
+
+    from specwire.default_model import resolve_model_path
+    from specwire.engine import default_device, default_dtype, parse_device, parse_dtype
+    from specwire.errors import ModelLoadError
+    from specwire.tokenizer import load_tokenizer
+    from specwire.weights import load_checkpoint
+
+    head_path = Path(args.head) if args.head else DEFAULT_HEAD
+    if not (head_path / "config.json").is_file():
+        raise ModelLoadError(f"no EAGLE head at {head_path} (train one with `specwire train-eagle` or pass "
+                             "--head)")
+    model_path = resolve_model_path(args.model)
+    device = parse_device(args.device) if args.device else default_device()
+    dtype = parse_dtype(args.dtype) if args.dtype else default_dtype(device)
+    config, state_dict = load_checkpoint(model_path)
+    # The head shares the target's embedding and lm_head; the rest of the target is not needed here.
+    shared = {k: v for k, v in state_dict.items() if k in ("model.embed_tokens.weight", "lm_head.weight")}
+    del state_dict
+    head = load_eagle_head(head_path, config, shared, dtype=dtype, device=device,
+                           max_positions=args.max_context)
+    proposer = EagleProposer(head, max_requests=args.max_requests, max_context=args.max_context,
+                             max_drafts=args.max_drafts, max_top_k=min(args.max_top_k, head.vocab_size),
+                             cuda_graphs=not args.no_cuda_graphs)
+    return proposer, config, load_tokenizer(model_path).fingerprint, f"{head.config.arch}:{head_path.name}"
+
+
+async def serve(args: argparse.Namespace) -> None:
+    from specwire.drafter.server import DrafterService
+
+    from specwire.metrics import DrafterMetrics
+    from specwire.v1 import drafter_pb2_grpc
+
+    metrics = DrafterMetrics()
+    if args.metrics_port is not None:
+        metrics.serve(args.metrics_port)
+    server = grpc_common.GrpcServer(grpc_common.ServerOptions.from_args(args))
+    service = DrafterService(metrics, server.draining)
+    server.add_service(grpc_common.DRAFTER_SERVICE, drafter_pb2_grpc.add_DrafterServicer_to_server, service)
+
+    async def load() -> None:
+        proposer, config, fingerprint, head = await asyncio.to_thread(load_proposer, args)
+        service.load(proposer, config, fingerprint, head)
+        await server.set_serving(True)
+        log.info("drafter ready", extra={"head": head, "device": str(proposer.device)})
+
+    try:
+        await server.serve_forever(on_ready=load)
+    finally:
+        service.close()
+        metrics.close()
+
+
+def run(args: argparse.Namespace) -> int:
+    grpc_common.setup_logging(args.log_level, args.log_format)
+    grpc_common.run(serve(args))
+    return 0

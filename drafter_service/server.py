@@ -1,0 +1,226 @@
+"""The Drafter gRPC service: hosts an EagleProposer and answers each DraftStep of a verifier's stream.
+
+Per step: apply the updates in order (new / accepted / free), then draft for the wanted requests and answer
+with one DraftResult: draft ids plus the exact float32 q they were drawn from (none for greedy drafts,
+top-K sparse for truncated sampling, dense for untruncated). An update that cannot be applied (bad tensor,
+unknown request, a position that skips tokens) drops that request and names it in dropped_request_ids,
+so the verifier re-sends it whole. State belongs to the stream: when it ends, its requests are freed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import torch
+from specwire.drafter.proposer import EagleProposer, Proposal, ProposerError
+
+from specwire.config import ModelConfig
+from specwire.metrics import DrafterMetrics
+from specwire.v1 import drafter_pb2 as pb
+from specwire.v1 import drafter_pb2_grpc
+from specwire.wire import PROTOCOL_VERSION, WireError, decode_tensor, encode_tensor
+
+log = logging.getLogger("specwire.drafter")
+
+_FEATURE_DTYPES = {
+    torch.float32: pb.DTYPE_FLOAT32, torch.bfloat16: pb.DTYPE_BFLOAT16, torch.float16: pb.DTYPE_FLOAT16,
+}
+
+
+class DrafterService(drafter_pb2_grpc.DrafterServicer):
+    def __init__(self, metrics: DrafterMetrics, draining: asyncio.Event | None = None):
+        """Refuses handshakes until `load`. draining: set when the server drains; open Draft streams then
+        end, so verifiers fall back at once instead of waiting out the grace period."""
+        self.metrics, self.draining = metrics, draining or asyncio.Event()
+        self.proposer: EagleProposer | None = None
+        self._streams = itertools.count()
+        self._known: dict[str, int] = {}  # proposer key -> tokens the drafter holds for it
+        # The proposer is single-threaded: every stream's steps queue on this one worker.
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="drafter-proposer")
+
+    def load(self, proposer: EagleProposer, target: ModelConfig, tokenizer_fingerprint: str, head_name: str
+             ) -> None:
+        self.target, self.fingerprint = target, tokenizer_fingerprint
+        head = proposer.head.config
+        self.info = pb.DrafterInfo(
+            head=head_name, feature_dim=head.feature_dim,
+            aux_layers=list(head.aux_layers) if head.arch == "eagle3" else [],
+            max_num_drafts=proposer.max_drafts, max_requests=proposer.max_requests,
+            feature_dtype=_FEATURE_DTYPES[proposer.head.dtype],
+        )
+        self.proposer = proposer
+
+    def close(self) -> None:
+        self._worker.shutdown(wait=True)
+
+    # ------------------------------------------------------------------------------------------ RPCs
+
+    async def Handshake(self, request: pb.HandshakeRequest, context: grpc.aio.ServicerContext
+                        ) -> pb.HandshakeResponse:
+        if self.proposer is None:
+            return pb.HandshakeResponse(ok=False, message="the drafter is still loading",
+                                        protocol_version=PROTOCOL_VERSION)
+        problem = self.mismatch(request)
+        if problem:
+            log.warning("handshake refused", extra={"reason": problem})
+        return pb.HandshakeResponse(ok=not problem, message=problem, drafter=self.info,
+                                    protocol_version=PROTOCOL_VERSION)
+
+    def mismatch(self, r: pb.HandshakeRequest) -> str:
+        """One line naming the first thing the verifier and this drafter disagree on; empty if none."""
+        t, mine = self.target, "the drafter's target"
+        checks = [
+            (r.protocol_version == PROTOCOL_VERSION,
+             f"protocol version {r.protocol_version} != {PROTOCOL_VERSION}"),
+            (r.vocab_size == t.vocab_size, f"vocab_size {r.vocab_size} != {mine} {t.vocab_size}"),
+            (r.hidden_size == t.hidden_size, f"hidden_size {r.hidden_size} != {mine} {t.hidden_size}"),
+            (r.num_layers in (0, t.num_layers), f"num_layers {r.num_layers} != {mine} {t.num_layers}"),
+            (r.tokenizer_fingerprint == self.fingerprint,
+             f"tokenizer fingerprint {r.tokenizer_fingerprint[:12]}... != {mine} {self.fingerprint[:12]}..."),
+            (r.feature_dim in (0, self.info.feature_dim),
+             f"feature_dim {r.feature_dim} != the head's {self.info.feature_dim}"),
+        ]
+        return next((message for ok, message in checks if not ok), "")
+
+    async def Draft(self, request_iterator, context: grpc.aio.ServicerContext) -> None:
+        if self.proposer is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the drafter is still loading")
+        stream = next(self._streams)
+        owned: set[str] = set()
+        loop = asyncio.get_running_loop()
+        log.info("draft stream opened", extra={"stream": stream, "peer": context.peer()})
+        try:
+            while (step := await self._next_step(context)) is not None:
+                self.metrics.drafter_rpc_bytes.labels(direction="received").inc(step.ByteSize())
+                result = await loop.run_in_executor(self._worker, self.run_step, stream, owned, step)
+                self.metrics.drafter_rpc_bytes.labels(direction="sent").inc(result.ByteSize())
+                await context.write(result)
+        finally:
+            await loop.run_in_executor(self._worker, self._free_all, owned)
+            log.info("draft stream closed", extra={"stream": stream})
+
+    async def _next_step(self, context: grpc.aio.ServicerContext) -> pb.DraftStep | None:
+        """The next DraftStep, or None at the end of the stream or once the server drains."""
+        read = asyncio.ensure_future(context.read())
+        drain = asyncio.ensure_future(self.draining.wait())
+        done, _ = await asyncio.wait((read, drain), return_when=asyncio.FIRST_COMPLETED)
+        drain.cancel()
+        if read not in done:
+            read.cancel()
+            return None
+        step = read.result()
+        return None if step is grpc.aio.EOF else step
+
+    # ------------------------------------------------------------------------------------------ worker
+
+    @torch.inference_mode()
+    def run_step(self, stream: int, owned: set[str], step: pb.DraftStep) -> pb.DraftResult:
+        """Applies `step`'s updates, then drafts for its wants (on the proposer's thread)."""
+        started = time.perf_counter()
+        result = pb.DraftResult(step_id=step.step_id)
+        for update in step.updates:
+            key = f"{stream}/{update.request_id}"
+            try:
+                self._apply(key, owned, update)
+            except (WireError, ProposerError, ValueError) as e:
+                self._free(key, owned)
+                result.dropped_request_ids.append(update.request_id)
+                reason = "bad_tensor" if isinstance(e, WireError) else "unknown_request"
+                self.metrics.bad_payloads.labels(reason=reason).inc()
+                log.warning("update dropped", extra={"request_id": update.request_id, "reason": str(e)})
+        wanted = [w for w in step.wants if f"{stream}/{w.request_id}" in self._known]
+        wanted = list({w.request_id: w for w in wanted}.values())  # one row per request
+        if wanted:
+            try:
+                result.proposals.extend(self._propose(stream, wanted))
+            except ProposerError as e:  # a want the proposer cannot serve: this step has no drafts
+                result.error = str(e)
+        result.compute_seconds = time.perf_counter() - started
+        self.metrics.draft_step_time.observe(result.compute_seconds)
+        self.metrics.num_requests.set(len(self._known))
+        return result
+
+    def _apply(self, key: str, owned: set[str], update: pb.RequestUpdate) -> None:
+        kind = update.WhichOneof("kind")
+        if kind == "free":
+            self._free(key, owned)
+            return
+        if kind == "new_request":
+            self._free(key, owned)  # a re-send replaces what was there
+            new = update.new_request
+            self.proposer.add(key, list(new.token_ids), self._features(new.features))
+            owned.add(key)
+            self._known[key] = len(new.token_ids)
+            return
+        if kind != "accepted":
+            raise ValueError("update without a kind")
+        accepted = update.accepted
+        if key not in self._known:
+            raise ValueError("accepted tokens for an unknown request")
+        if accepted.position != self._known[key]:
+            raise ValueError(f"accepted tokens at position {accepted.position}, but the drafter holds "
+                             f"{self._known[key]} tokens")
+        self.proposer.update(key, list(accepted.token_ids), self._features(accepted.features))
+        self._known[key] += len(accepted.token_ids)
+
+    def _features(self, message: pb.Tensor) -> torch.Tensor:
+        return decode_tensor(message, dtypes=tuple(_FEATURE_DTYPES), ndim=2, name="features")
+
+    def _free(self, key: str, owned: set[str]) -> None:
+        if key in self._known:
+            self.proposer.free(key)
+            del self._known[key]
+        owned.discard(key)
+
+    def _free_all(self, owned: set[str]) -> None:
+        for key in list(owned):
+            self._free(key, owned)
+        self.metrics.num_requests.set(len(self._known))
+
+    def _propose(self, stream: int, wants: list[pb.DraftWant]) -> list[pb.Proposal]:
+        p = self.proposer
+        keys = [f"{stream}/{w.request_id}" for w in wants]
+        # A request with no new tokens since its last proposal has nothing to draft from.
+        ks = [min(w.num_drafts, p.max_drafts) if p.requests[key].num_pending else 0
+              for w, key in zip(wants, keys, strict=True)]
+        temperature = [max(w.temperature, 0.0) for w in wants]
+        top_k = [min(w.top_k, p.max_top_k) if t > 0 else 0 for w, t in zip(wants, temperature, strict=True)]
+        proposal = p.propose(keys, ks, temperature, top_k)
+        self.metrics.forward_steps.labels(mode="cuda_graph" if p.graphs else "eager").inc()
+        self.metrics.draft_tokens.inc(sum(ks))
+        return self._split(wants, proposal, temperature, top_k)
+
+    def _split(self, wants: list[pb.DraftWant], proposal: Proposal, temperature: list[float],
+               top_k: list[int]) -> list[pb.Proposal]:
+        """One Proposal message per request with drafts; q cut back to each row's own kind and width."""
+        ids = proposal.token_ids.cpu()
+        counts = proposal.num_drafts.cpu().tolist()
+        q = proposal.probs
+        if q is not None:
+            q = (q.probs.cpu(), None) if q.is_dense else (q.indices.cpu(), q.values.cpu())
+        out, start = [], 0
+        for w, k, t, tk in zip(wants, counts, temperature, top_k, strict=True):
+            rows, start = slice(start, start + k), start + k
+            if k == 0:
+                continue
+            message = pb.Proposal(request_id=w.request_id, draft_token_ids=ids[rows].tolist())
+            if t == 0:
+                message.probs_kind = pb.PROBS_KIND_NONE
+            elif tk == 0:
+                message.probs_kind = pb.PROBS_KIND_DENSE
+                message.probs.CopyFrom(encode_tensor(q[0][rows]))
+            else:
+                if q[1] is None:  # a dense batch: this row's support is its top-K, so topk is exact
+                    values, indices = q[0][rows].topk(tk, dim=1)
+                else:
+                    indices, values = q[0][rows, :tk], q[1][rows, :tk]
+                message.probs_kind = pb.PROBS_KIND_SPARSE
+                message.sparse.indices.CopyFrom(encode_tensor(indices.to(torch.int32)))
+                message.sparse.values.CopyFrom(encode_tensor(values.float()))
+            out.append(message)
+        return out

@@ -1,0 +1,479 @@
+"""The two gRPC services end to end, real servers on 127.0.0.1 in-process: a tiny random target with the
+SmolLM2 tokenizer, and an EAGLE-1 head built to predict that target well, so drafts are often but not
+always accepted (both paths of the rejection sampler run).
+
+Greedy output through both services must equal target-only greedy decoding (an independent loop of
+prefill/decode + argmax), whatever the drafter does: drafts, dies, restarts or sends garbage.
+"""
+
+import asyncio
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+import torch
+from specwire.drafter.eagle_head import EagleHead, EagleHeadConfig
+from specwire.drafter.proposer import EagleProposer
+from specwire.drafter.server import DrafterService
+from specwire.verifier.scheduler import SchedulerConfig
+from specwire.verifier.server import VerifierServer, VerifierSettings
+
+from specwire import grpc_common
+from specwire.config import ModelConfig
+from specwire.default_model import default_model_path
+from specwire.engine import TargetEngine
+from specwire.metrics import DrafterMetrics, VerifierMetrics
+from specwire.model import LlamaModel
+from specwire.tokenizer import load_tokenizer
+from specwire.v1 import drafter_pb2 as dpb
+from specwire.v1 import drafter_pb2_grpc, generation_pb2_grpc
+from specwire.v1 import generation_pb2 as pb
+
+VOCAB, H = 49152, 64
+MAX_CONTEXT = 160
+K = 3
+
+
+def tiny_target() -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Random weights whose attention and MLP only nudge the residual stream: the next token is mostly a
+    function of the current one (which the head below predicts), at times of the context (which it cannot)."""
+    config = ModelConfig(
+        vocab_size=VOCAB, hidden_size=H, intermediate_size=128, num_layers=4, num_heads=4, num_kv_heads=2,
+        head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0, rope_scaling=None, max_position_embeddings=512,
+        tie_word_embeddings=False, attention_bias=False, bos_token_id=1, eos_token_ids=(2,),
+    )
+    g = torch.Generator().manual_seed(0)
+    sd = {}
+    for name, shape in LlamaModel(config, device="meta").expected_shapes().items():
+        if name.endswith("norm.weight"):
+            sd[name] = torch.ones(shape)
+        elif name.endswith(("o_proj.weight", "down_proj.weight")):
+            sd[name] = torch.randn(shape, generator=g) * 0.06
+        else:
+            sd[name] = torch.randn(shape, generator=g) * shape[-1] ** -0.5
+    sd["model.embed_tokens.weight"] = torch.randn(VOCAB, H, generator=g)
+    return config, sd
+
+
+def bigram_head(config: ModelConfig, sd: dict[str, torch.Tensor], device: str = "cpu") -> EagleHead:
+    """EAGLE-1 head whose output is embed(next token): through the target's lm_head it drafts the token the
+    target would pick if attention and MLP were off."""
+    layer = ModelConfig(**{**config.__dict__, "num_layers": 1})
+    head_config = EagleHeadConfig(arch="eagle1", layer=layer, target_hidden_size=H, target_vocab_size=VOCAB)
+    head = EagleHead(head_config, sd, torch.float32, device, max_positions=MAX_CONTEXT)
+    head.init_weights(0)
+    with torch.no_grad():
+        head.fc.weight.zero_()
+        head.fc.weight[:, :H] = torch.eye(H)  # x = embed(token): the target feature is ignored
+        head.layer.self_attn.o_proj.weight.zero_()
+        head.layer.mlp.down_proj.weight.zero_()
+    return head
+
+
+class Loop:
+    """An asyncio event loop on a thread: the servers live there, the tests call in with `run`."""
+
+    def __init__(self):
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def run(self, coro, timeout: float = 60):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def close(self):
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+
+
+class Drafter:
+    """A real drafter server; `service_class` lets a test swap in a misbehaving servicer."""
+
+    def __init__(self, loop: Loop, checkpoint, fingerprint: str, port: int = 0, service_class=DrafterService,
+                 device: str = "cpu"):
+        self.loop, self.metrics = loop, DrafterMetrics()
+        config, sd = checkpoint
+        proposer = EagleProposer(bigram_head(config, sd, device), max_requests=48, max_context=MAX_CONTEXT,
+                                 max_drafts=K, max_top_k=16)
+        self.port = loop.run(self._start(port, service_class, proposer, config, fingerprint))
+
+    async def _start(self, port, service_class, proposer, config, fingerprint) -> int:
+        # grpc.aio objects belong to the loop they are made on
+        self.server = grpc_common.GrpcServer(grpc_common.ServerOptions(listen=f"127.0.0.1:{port}"))
+        self.service = service_class(self.metrics, self.server.draining)
+        self.service.load(proposer, config, fingerprint, "eagle1:bigram")
+        self.server.add_service(grpc_common.DRAFTER_SERVICE, drafter_pb2_grpc.add_DrafterServicer_to_server,
+                                self.service)
+        port = await self.server.start()
+        await self.server.set_serving(True)
+        return port
+
+    def num_requests(self) -> int:
+        return len(self.service._known)
+
+    def kill(self):
+        self.loop.run(self.server.drain(0))
+        self.service.close()
+
+
+class Verifier:
+    def __init__(self, loop: Loop, checkpoint, tokenizer, drafter_port: int | None, max_slots: int = 16,
+                 overlap: bool = True, step_timeout: float = 5.0, device: str = "cpu"):
+        self.loop, self.metrics = loop, VerifierMetrics()
+        self.engine = TargetEngine(checkpoint=checkpoint, device=device, dtype=torch.float32,
+                                   max_slots=max_slots, max_context=MAX_CONTEXT)
+        settings = VerifierSettings(
+            drafter=f"127.0.0.1:{drafter_port}" if drafter_port else None, step_timeout=step_timeout,
+            scheduler=SchedulerConfig(num_speculative_tokens=K, max_waiting=64, default_max_tokens=16,
+                                      overlap=overlap),
+            model_name="tiny",
+        )
+        self.port = loop.run(self._start(settings, tokenizer))
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
+        self.stub = generation_pb2_grpc.GenerationStub(self.channel)
+
+    async def _start(self, settings, tokenizer) -> int:
+        self.server = VerifierServer(grpc_common.ServerOptions(listen="127.0.0.1:0"), settings, self.metrics)
+        return await self.server.start(self.engine, tokenizer)
+
+    def info(self) -> pb.ModelInfo:
+        return self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
+
+    def wait_connected(self, connected: bool = True, timeout: float = 30):
+        deadline = time.time() + timeout
+        while self.info().speculation.drafter_connected != connected:
+            assert time.time() < deadline, f"drafter_connected never became {connected}"
+            time.sleep(0.05)
+
+    def generate(self, prompt: list[int] | str, max_tokens: int = 16, timeout: float = 120, **sampling):
+        """(token ids, text, Complete or Error) of one streamed request."""
+        request = pb.GenerateRequest(sampling=pb.SamplingParams(max_tokens=max_tokens, ignore_eos=True,
+                                                                **sampling))
+        if isinstance(prompt, str):
+            request.text = prompt
+        else:
+            request.token_ids.ids.extend(prompt)
+        ids, text = [], ""
+        for response in self.stub.Generate(request, timeout=timeout):
+            kind = response.WhichOneof("event")
+            if kind == "chunk":
+                ids += response.chunk.token_ids
+                text += response.chunk.text
+            else:
+                return ids, text, getattr(response, kind)
+        raise AssertionError("stream ended without Complete or Error")
+
+    def counter(self, metric, **labels) -> float:
+        return (metric.labels(**labels) if labels else metric)._value.get()
+
+    def close(self):
+        self.channel.close()
+        self.loop.run(self.server.stop(0))
+
+
+@pytest.fixture(scope="module")
+def world():
+    loop = Loop()
+    checkpoint = tiny_target()
+    tokenizer = load_tokenizer(default_model_path())
+    drafter = Drafter(loop, checkpoint, tokenizer.fingerprint)
+    verifier = Verifier(loop, checkpoint, tokenizer, drafter.port)
+    verifier.wait_connected()
+    w = type("World", (), dict(loop=loop, checkpoint=checkpoint, tokenizer=tokenizer, drafter=drafter,
+                               verifier=verifier))
+    yield w
+    w.verifier.close()
+    w.drafter.kill()
+    loop.close()
+
+
+def prompts(n: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, VOCAB, (int(torch.randint(2, 24, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
+def greedy_reference(checkpoint, prompt_list: list[list[int]], max_tokens: int, device: str = "cpu"
+                     ) -> list[list[int]]:
+    """Target-only greedy decoding, one request at a time: prefill, then decode + argmax."""
+    engine = TargetEngine(checkpoint=checkpoint, device=device, dtype=torch.float32, max_slots=1,
+                          max_context=MAX_CONTEXT)
+    outputs = []
+    for prompt in prompt_list:
+        slot = engine.allocate_slot()
+        tokens = [int(engine.prefill([(slot, prompt)]).logits[0].argmax())]
+        while len(tokens) < max_tokens:
+            logits = engine.decode([slot], [tokens[-1]], [len(prompt) + len(tokens) - 1]).logits
+            tokens.append(int(logits[0].argmax()))
+        engine.free_slot(slot)
+        outputs.append(tokens)
+    return outputs
+
+
+def generate_all(verifier: Verifier, prompt_list, **kwargs) -> list:
+    with ThreadPoolExecutor(len(prompt_list)) as pool:
+        return list(pool.map(lambda p: verifier.generate(p, **kwargs), prompt_list))
+
+
+# ---------------------------------------------------------------------------------------------- tests
+
+
+def test_greedy_through_both_services_equals_target_only(world):
+    v = world.verifier
+    accepted_before = v.counter(v.metrics.num_accepted_tokens)
+    batch = prompts(20)
+    results = generate_all(v, batch, max_tokens=24)
+    expected = greedy_reference(world.checkpoint, batch, 24)
+    for (ids, text, complete), want in zip(results, expected, strict=True):
+        assert isinstance(complete, pb.Complete) and complete.finish_reason == pb.FINISH_REASON_LENGTH
+        assert ids == want
+        assert text == world.tokenizer.decode(want)
+    usage = [c.usage for _, _, c in results]
+    accepted = sum(u.accepted_tokens for u in usage)
+    drafted = sum(u.draft_tokens for u in usage)
+    # Speculation really ran, and the rejection path too (the head cannot see the context).
+    assert 0 < accepted < drafted
+    assert v.counter(v.metrics.num_accepted_tokens) - accepted_before == accepted
+    assert all(u.mean_acceptance_length == 1 + u.accepted_tokens / u.drafts for u in usage if u.drafts)
+
+
+def test_seeded_sampling_repeats_whatever_the_batch(world):
+    v = world.verifier
+    prompt = prompts(1, seed=5)[0]
+    sampling = {"temperature": 0.9, "top_p": 0.95, "seed": 1234}
+    alone = v.generate(prompt, max_tokens=20, **sampling)[0]
+    batched = generate_all(v, [prompt, *prompts(5, seed=6)], max_tokens=20, **sampling)
+    assert batched[0][0] == alone
+    assert v.generate(prompt, max_tokens=20, **(sampling | {"seed": 99}))[0] != alone
+    # Unseeded sampled requests draft from the head's top-K and ship sparse q; they run like any other.
+    ids, _, complete = v.generate(prompt, max_tokens=20, temperature=0.7)
+    assert len(ids) == 20 and complete.usage.draft_tokens > 0
+
+
+def test_32_concurrent_streams_complete(world):
+    v = world.verifier
+    batch = prompts(32, seed=8)
+    results = generate_all(v, batch, max_tokens=12)
+    for (ids, _, complete), want in zip(results, greedy_reference(world.checkpoint, batch, 12), strict=True):
+        assert complete.finish_reason == pb.FINISH_REASON_LENGTH and ids == want
+    info = v.info()
+    assert (info.num_running, info.num_waiting, info.free_slots) == (0, 0, info.max_slots)
+
+
+def poll(condition, timeout: float = 30, what: str = "condition"):
+    deadline = time.time() + timeout
+    while not condition():
+        assert time.time() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def test_cancelling_half_frees_their_slots_on_both_services(world):
+    v, d = world.verifier, world.drafter
+    gauge = d.metrics.num_requests
+    request = pb.GenerateRequest(sampling=pb.SamplingParams(max_tokens=120, ignore_eos=True))
+    calls = []
+    for prompt in prompts(8, seed=9):
+        request.token_ids.ids[:] = prompt[:6]
+        calls.append(v.stub.Generate(request, timeout=120))
+    for call in calls:
+        assert next(call).WhichOneof("event") == "chunk"
+    poll(lambda: v.info().num_running == 8 and gauge._value.get() == 8, what="8 requests on both services")
+    for call in calls[:4]:
+        call.cancel()
+    poll(lambda: v.info().num_running == 4 and gauge._value.get() == 4, what="4 cancelled requests freed")
+    assert v.info().free_slots == v.info().max_slots - 4
+    assert v.counter(v.metrics.requests_finished, finish_reason="abort") >= 4
+    for call in calls[4:]:
+        assert list(call)[-1].complete.finish_reason == pb.FINISH_REASON_LENGTH
+    poll(lambda: v.info().num_running == 0 and gauge._value.get() == 0, what="everything freed")
+
+
+def test_abort_rpc_ends_the_stream_with_abort(world):
+    v = world.verifier
+    request = pb.GenerateRequest(request_id="to-abort", token_ids=pb.TokenIds(ids=[5, 6, 7]),
+                                 sampling=pb.SamplingParams(max_tokens=140, ignore_eos=True))
+    call = v.stub.Generate(request, timeout=60)
+    assert next(call).WhichOneof("event") == "chunk"
+    assert v.stub.Abort(pb.AbortRequest(request_id="to-abort")).found
+    assert list(call)[-1].complete.finish_reason == pb.FINISH_REASON_ABORT
+    assert not v.stub.Abort(pb.AbortRequest(request_id="to-abort")).found
+
+
+@pytest.mark.parametrize(("case", "code", "words"), [
+    ({"sampling": {"temperature": -1.0}}, pb.ERROR_CODE_INVALID_ARGUMENT, "temperature"),
+    ({"sampling": {"temperature": float("nan")}}, pb.ERROR_CODE_INVALID_ARGUMENT, "temperature"),
+    ({"sampling": {"top_p": 1.5}}, pb.ERROR_CODE_INVALID_ARGUMENT, "top_p must be in (0, 1]"),
+    ({"sampling": {"top_k": VOCAB + 1}}, pb.ERROR_CODE_INVALID_ARGUMENT, "top_k"),
+    ({"sampling": {"max_tokens": 0}}, pb.ERROR_CODE_INVALID_ARGUMENT, "max_tokens must be >= 1"),
+    ({"sampling": {"seed": -5}}, pb.ERROR_CODE_INVALID_ARGUMENT, "seed"),
+    ({"sampling": {"stop": [""]}}, pb.ERROR_CODE_INVALID_ARGUMENT, "stop"),
+    ({"text": ""}, pb.ERROR_CODE_INVALID_ARGUMENT, "prompt is empty"),
+    ({"token_ids": {"ids": []}}, pb.ERROR_CODE_INVALID_ARGUMENT, "prompt is empty"),
+    ({"token_ids": {"ids": [5, VOCAB]}}, pb.ERROR_CODE_INVALID_ARGUMENT, f"token id {VOCAB} out of range"),
+    ({"token_ids": {"ids": [5]}, "chat": True}, pb.ERROR_CODE_INVALID_ARGUMENT, "chat needs a text prompt"),
+    ({"token_ids": {"ids": [5] * MAX_CONTEXT}}, pb.ERROR_CODE_RESOURCE_EXHAUSTED, "does not fit the context"),
+])
+def test_malformed_requests_get_a_clear_in_band_error(world, case, code, words):
+    request = pb.GenerateRequest(**({"text": "hello"} | case))
+    responses = list(world.verifier.stub.Generate(request, timeout=30))
+    assert len(responses) == 1 and responses[0].WhichOneof("event") == "error"
+    assert responses[0].error.code == code
+    assert words in responses[0].error.message
+
+
+def test_duplicate_request_id_is_refused_and_the_server_stays_up(world):
+    v = world.verifier
+    request = pb.GenerateRequest(request_id="twice", token_ids=pb.TokenIds(ids=[9, 10]),
+                                 sampling=pb.SamplingParams(max_tokens=100, ignore_eos=True))
+    first = v.stub.Generate(request, timeout=60)
+    assert next(first).WhichOneof("event") == "chunk"
+    second = list(v.stub.Generate(request, timeout=30))
+    assert second[0].error.code == pb.ERROR_CODE_ALREADY_EXISTS and "twice" in second[0].error.message
+    first.cancel()
+    assert v.generate([9, 10], max_tokens=4)[0] == greedy_reference(world.checkpoint, [[9, 10]], 4)[0]
+
+
+def test_drafter_killed_mid_generation_then_restarted(world):
+    loop, checkpoint = world.loop, world.checkpoint
+    drafter = Drafter(loop, checkpoint, world.tokenizer.fingerprint)
+    v = Verifier(loop, checkpoint, world.tokenizer, drafter.port, step_timeout=2.0)
+    try:
+        v.wait_connected()
+        accepted = v.metrics.num_accepted_tokens
+        batch = prompts(6, seed=11)
+        with ThreadPoolExecutor(len(batch)) as pool:
+            futures = [pool.submit(v.generate, p, max_tokens=60) for p in batch]
+            poll(lambda: accepted._value.get() > 0, what="speculation to start")
+            drafter.kill()
+            results = [f.result() for f in futures]
+        for (ids, _, complete), want in zip(results, greedy_reference(checkpoint, batch, 60), strict=True):
+            assert complete.finish_reason == pb.FINISH_REASON_LENGTH and ids == want
+        assert not v.info().speculation.drafter_connected
+        assert v.counter(v.metrics.fallback_steps, reason="down") > 0
+
+        restarted = Drafter(loop, checkpoint, world.tokenizer.fingerprint, port=drafter.port)
+        v.wait_connected()
+        before = accepted._value.get()
+        batch = prompts(4, seed=12)
+        results = generate_all(v, batch, max_tokens=20)
+        assert [r[0] for r in results] == greedy_reference(checkpoint, batch, 20)
+        assert accepted._value.get() > before, "speculation did not resume after the drafter restarted"
+        restarted.kill()
+    finally:
+        v.close()
+
+
+class GarbageDrafter(DrafterService):
+    """A real drafter that corrupts its answers, one kind of garbage per proposal, in turn."""
+
+    MODES = ("too_many_drafts", "token_out_of_vocab", "kind_unspecified", "unknown_id", "nan", "wrong_dtype",
+             "wrong_shape", "dense_wrong_vocab")
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.turn = 0
+
+    def run_step(self, stream, owned, step):
+        result = super().run_step(stream, owned, step)
+        for proposal in result.proposals:
+            self.corrupt(proposal)
+        return result
+
+    def corrupt(self, p: dpb.Proposal) -> None:
+        mode = self.MODES[self.turn % len(self.MODES)]
+        self.turn += 1
+        sparse = p.probs_kind == dpb.PROBS_KIND_SPARSE
+        if mode == "too_many_drafts":
+            p.draft_token_ids.extend([7] * (K + 1))
+        elif mode == "token_out_of_vocab":
+            p.draft_token_ids[0] = VOCAB + 5
+        elif mode == "kind_unspecified":
+            p.probs_kind = dpb.PROBS_KIND_UNSPECIFIED
+        elif mode == "unknown_id":
+            p.request_id = "nobody-asked"
+        elif mode == "nan" and sparse:
+            p.sparse.values.data = torch.full((len(p.draft_token_ids), 16), float("nan")).numpy().tobytes()
+            p.sparse.values.shape[:] = [len(p.draft_token_ids), 16]
+        elif mode == "wrong_dtype" and sparse:
+            p.sparse.values.dtype = dpb.DTYPE_BFLOAT16
+        elif mode == "wrong_shape" and sparse:
+            p.sparse.values.shape[:] = [p.sparse.values.shape[1], p.sparse.values.shape[0]]
+        elif mode == "dense_wrong_vocab" and sparse:
+            p.probs_kind = dpb.PROBS_KIND_DENSE
+            n = len(p.draft_token_ids)
+            p.probs.CopyFrom(dpb.Tensor(data=torch.full((n, 100), 0.01).numpy().tobytes(),
+                                        dtype=dpb.DTYPE_FLOAT32, shape=[n, 100]))
+        else:  # the garbage does not apply to this proposal: drop its drafts instead
+            del p.draft_token_ids[:]
+
+
+def test_garbage_from_the_drafter_is_refused_counted_and_falls_back(world):
+    loop, checkpoint = world.loop, world.checkpoint
+    drafter = Drafter(loop, checkpoint, world.tokenizer.fingerprint, service_class=GarbageDrafter)
+    v = Verifier(loop, checkpoint, world.tokenizer, drafter.port)
+    try:
+        v.wait_connected()
+        greedy = prompts(6, seed=13)
+        with ThreadPoolExecutor(10) as pool:
+            sampled = [pool.submit(v.generate, p, max_tokens=24, temperature=0.8)
+                       for p in prompts(4, seed=14)]
+            results = list(pool.map(lambda p: v.generate(p, max_tokens=24), greedy))
+            sampled = [f.result() for f in sampled]
+        assert [r[0] for r in results] == greedy_reference(checkpoint, greedy, 24)
+        assert all(len(ids) == 24 and c.finish_reason == pb.FINISH_REASON_LENGTH for ids, _, c in sampled)
+        m = v.metrics
+        assert v.counter(m.bad_payloads, reason="bad_tensor") >= len(GarbageDrafter.MODES) - 2
+        assert v.counter(m.bad_payloads, reason="unknown_request") >= 1
+        assert v.counter(m.fallback_steps, reason="bad_payload") >= 1
+        assert v.counter(m.num_draft_tokens) == 0, "a corrupted proposal reached the sampler"
+        assert v.info().speculation.drafter_connected  # both services are still up
+    finally:
+        v.close()
+        drafter.kill()
+
+
+def test_handshake_refuses_a_drafter_for_another_tokenizer(world):
+    loop, checkpoint = world.loop, world.checkpoint
+    drafter = Drafter(loop, checkpoint, "0" * 64)
+    v = Verifier(loop, checkpoint, world.tokenizer, drafter.port)
+    try:
+        poll(lambda: "tokenizer fingerprint" in v.server.scheduler.link.last_error, what="the refusal")
+        assert not v.info().speculation.drafter_connected
+        assert v.generate([4, 5, 6], max_tokens=8)[0] == greedy_reference(checkpoint, [[4, 5, 6]], 8)[0]
+    finally:
+        v.close()
+        drafter.kill()
+
+
+def test_greedy_without_overlap_equals_target_only(world):
+    v = Verifier(world.loop, world.checkpoint, world.tokenizer, world.drafter.port, overlap=False)
+    try:
+        v.wait_connected()
+        batch = prompts(8, seed=15)
+        results = generate_all(v, batch, max_tokens=20)
+        assert [r[0] for r in results] == greedy_reference(world.checkpoint, batch, 20)
+        assert v.counter(v.metrics.num_accepted_tokens) > 0
+    finally:
+        v.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_services_greedy_equals_target_only(world):
+    """Drafter on the first GPU, verifier on the last: CUDA graphs (decode and drafting), the Triton
+    sampler, features crossing devices. float32 weights so that greedy ties cannot differ."""
+    gpus = torch.cuda.device_count()
+    drafter = Drafter(world.loop, world.checkpoint, world.tokenizer.fingerprint, device="cuda:0")
+    v = Verifier(world.loop, world.checkpoint, world.tokenizer, drafter.port, device=f"cuda:{gpus - 1}")
+    try:
+        v.wait_connected()
+        batch = prompts(20, seed=16)
+        results = generate_all(v, batch, max_tokens=24)
+        assert [r[0] for r in results] == greedy_reference(world.checkpoint, batch, 24, f"cuda:{gpus - 1}")
+        assert v.counter(v.metrics.num_accepted_tokens) > 0
+        assert v.counter(v.metrics.forward_steps, mode="cuda_graph") > 0
+    finally:
+        v.close()
+        drafter.kill()

@@ -1,0 +1,118 @@
+"""`specwire verifier`: serve the client-facing Generation API, verifying a drafter's proposals."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+
+from specwire import grpc_common
+
+log = logging.getLogger("specwire.verifier")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    env = grpc_common.env_default
+    grpc_common.add_server_arguments(parser, default_listen="0.0.0.0:50051")
+    parser.add_argument("--drafter", default=env("SPECWIRE_DRAFTER", None),
+                        help="drafter HOST:PORT (env SPECWIRE_DRAFTER); without one, target-only decoding")
+    grpc_common.add_channel_arguments(parser, prefix="drafter-")
+    parser.add_argument("--model", default=env("SPECWIRE_MODEL", None),
+                        help="GGUF file or Hugging Face directory (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--device", default=env("SPECWIRE_DEVICE", None), help="cpu or cuda[:N]")
+    parser.add_argument("--dtype", default=env("SPECWIRE_DTYPE", None), choices=["bf16", "fp16", "fp32"],
+                        help="weights and KV cache (default: bf16 on CUDA, fp32 on CPU)")
+    parser.add_argument("--k", type=int, default=env("SPECWIRE_K", 4),
+                        help="draft tokens per request per round (default 4; 0 = no speculation)")
+    parser.add_argument("--max-slots", type=int, default=env("SPECWIRE_MAX_SLOTS", 16),
+                        help="requests decoded at once (default 16)")
+    parser.add_argument("--max-context", type=int, default=env("SPECWIRE_MAX_CONTEXT", None),
+                        help="tokens per request, prompt + output (default: min(2048, the model's))")
+    parser.add_argument("--max-waiting", type=int, default=env("SPECWIRE_MAX_WAITING", 256),
+                        help="requests queued for a slot before new ones are refused (default 256)")
+    parser.add_argument("--default-max-tokens", type=int, default=env("SPECWIRE_DEFAULT_MAX_TOKENS", 128),
+                        help="max_tokens of requests that leave it unset (default 128)")
+    parser.add_argument("--draft-timeout", type=float, default=env("SPECWIRE_DRAFT_TIMEOUT", 1.0),
+                        help="seconds a step waits for its drafts before verifying without them (default 1)")
+    parser.add_argument("--draft-top-k", type=int, default=env("SPECWIRE_DRAFT_TOP_K", 16),
+                        help="sampled requests draft from the head's top-K, shipped sparse (default 16)")
+    parser.add_argument("--no-overlap", action="store_true",
+                        help="verify the whole batch at once instead of two alternating halves")
+    parser.add_argument("--aux-layers", default=env("SPECWIRE_AUX_LAYERS", "eagle3"),
+                        help="target layers whose input EAGLE-3 heads read: comma-separated, 'eagle3' "
+                             "(2, L/2, L-3) or 'none' (default eagle3)")
+    parser.add_argument("--no-cuda-graphs", action="store_true", help="run the decode step eagerly")
+    parser.add_argument("--metrics-port", type=int, default=env("SPECWIRE_METRICS_PORT", None),
+                        help="serve Prometheus /metrics on this port (env SPECWIRE_METRICS_PORT)")
+    grpc_common.add_logging_arguments(parser)
+
+
+def parse_aux_layers(text: str, num_layers: int) -> tuple[int, ...]:
+    if text == "none":
+        return ()
+    if text == "eagle3":  # the taps EAGLE-3 heads are trained on (SafeAILab EAGLE, vLLM)
+        return (2, num_layers // 2, num_layers - 3)
+    try:
+        layers = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise ValueError(f"--aux-layers must be 'eagle3', 'none' or comma-separated integers, got {text!r}"
+                         ) from None
+    if bad := [x for x in layers if not 0 <= x < num_layers]:
+        raise ValueError(f"--aux-layers: layer {bad[0]} out of range for a {num_layers}-layer model")
+    return layers
+
+
+def load_engine(args: argparse.Namespace):
+    """(engine, tokenizer, model name) from the flags; the engine taps the aux layers only with a drafter."""
+    from specwire.default_model import resolve_model_path  # torch loads here, once the flags are valid
+    from specwire.engine import TargetEngine
+    from specwire.tokenizer import load_tokenizer
+    from specwire.weights import load_checkpoint
+
+    path = resolve_model_path(args.model)
+    config, state_dict = load_checkpoint(path)
+    aux = parse_aux_layers(args.aux_layers, config.num_layers) if args.drafter and args.k > 0 else ()
+    engine = TargetEngine(device=args.device, dtype=args.dtype, max_slots=args.max_slots,
+                          max_context=args.max_context, cuda_graphs=not args.no_cuda_graphs, aux_layers=aux,
+                          checkpoint=(config, state_dict))
+    return engine, load_tokenizer(path), path.name
+
+
+async def serve(args: argparse.Namespace) -> None:
+    from specwire.verifier.scheduler import SchedulerConfig
+    from specwire.verifier.server import VerifierServer, VerifierSettings
+
+    from specwire.metrics import VerifierMetrics
+
+    if args.k < 0:
+        raise ValueError(f"--k must be >= 0, got {args.k}")
+    metrics = VerifierMetrics()
+    if args.metrics_port is not None:
+        metrics.serve(args.metrics_port)
+    settings = VerifierSettings(
+        drafter=args.drafter if args.k > 0 else None,
+        drafter_channel=grpc_common.ChannelOptions.from_args(args, prefix="drafter-"),
+        step_timeout=args.draft_timeout,
+        scheduler=SchedulerConfig(num_speculative_tokens=args.k, max_waiting=args.max_waiting,
+                                  default_max_tokens=args.default_max_tokens, draft_top_k=args.draft_top_k,
+                                  overlap=not args.no_overlap),
+    )
+    server = VerifierServer(grpc_common.ServerOptions.from_args(args), settings, metrics)
+
+    async def load() -> None:
+        engine, tokenizer, name = await asyncio.to_thread(load_engine, args)
+        server.service.model_name = name
+        await server.start(engine, tokenizer)
+        extra = {"model": name, "device": str(engine.device), "drafter": settings.drafter, "k": args.k}
+        log.info("verifier ready", extra=extra)
+
+    try:
+        await server.grpc.serve_forever(on_ready=load)
+    finally:
+        await server.stop()
+
+
+def run(args: argparse.Namespace) -> int:
+    grpc_common.setup_logging(args.log_level, args.log_format)
+    grpc_common.run(serve(args))
+    return 0

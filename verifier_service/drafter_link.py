@@ -1,0 +1,201 @@
+"""The verifier's connection to the drafter: handshake, one Draft stream, per-step futures, reconnects.
+
+Nothing here can fail a request. A step that is not answered within its deadline resolves to None (the
+scheduler decodes that step without drafts) and its late answer is dropped as stale. A broken stream
+resolves every waiting step to None, and a background task reconnects with exponential backoff; after
+each new stream the scheduler re-sends the state of its live requests (`on_connect`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import grpc
+
+from specwire import grpc_common
+from specwire.metrics import VerifierMetrics
+from specwire.v1 import drafter_pb2 as pb
+from specwire.v1 import drafter_pb2_grpc
+
+log = logging.getLogger("specwire.verifier.drafter")
+
+
+class HandshakeRefused(ValueError):
+    """The drafter does not fit this verifier (vocabulary, hidden size, tokenizer, features)."""
+
+
+@dataclass
+class _Pending:
+    future: asyncio.Future
+    sent_at: float
+    abandoned: bool = False  # its deadline passed; the answer, if it ever comes, is stale
+
+
+class DrafterLink:
+    """Sends DraftSteps and hands back their DraftResults, or None when the drafter cannot answer in time."""
+
+    def __init__(
+        self, target: str, metrics: VerifierMetrics,
+        channel_options: grpc_common.ChannelOptions | None = None,
+        step_timeout: float = 0.5, max_in_flight: int = 4, backoff: tuple[float, float] = (0.05, 5.0),
+    ):
+        """max_in_flight bounds the steps the drafter holds (answered late or not yet), so a slow drafter is
+        never flooded. The owner sets `handshake`, `check_info` (raises HandshakeRefused for a drafter it
+        cannot feed) and `on_connect` before `start`."""
+        self.target, self.metrics = target, metrics
+        self.channel_options = channel_options or grpc_common.ChannelOptions()
+        self.handshake = pb.HandshakeRequest()
+        self.check_info: Callable[[pb.DrafterInfo], None] = lambda info: None
+        self.step_timeout, self.max_in_flight, self.backoff = step_timeout, max_in_flight, backoff
+        self.dead_after = max(5.0, 20 * step_timeout)  # a step unanswered this long: the drafter is hung
+        self.info: pb.DrafterInfo | None = None
+        self.on_connect: Callable[[], None] = lambda: None
+        self._call: grpc.aio.StreamStreamCall | None = None
+        self._pending: dict[int, _Pending] = {}
+        self._next_step = 1
+        self.epoch = 0  # counts streams opened, so a caller can tell a step went to a stream now gone
+        self._task: asyncio.Task | None = None
+        self._closed = False
+        self.last_error = ""
+
+    @property
+    def connected(self) -> bool:
+        return self._call is not None
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._connect_forever())
+
+    async def close(self) -> None:
+        self._closed = True
+        if self._call is not None:
+            self._call.cancel()
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    # ------------------------------------------------------------------------------------------ steps
+
+    def can_send(self) -> bool:
+        if self._call is None:
+            return False
+        oldest = min((p.sent_at for p in self._pending.values()), default=time.perf_counter())
+        if time.perf_counter() - oldest > self.dead_after:
+            self._disconnect(self._call, f"no answer for {self.dead_after:.1f} s")
+            return False
+        return len(self._pending) < self.max_in_flight
+
+    async def send(self, step: pb.DraftStep) -> asyncio.Future | None:
+        """Writes `step` (its step_id is assigned here); the future resolves to its DraftResult or None.
+        Returns None, sending nothing, when disconnected or when max_in_flight steps are unanswered."""
+        if not self.can_send():
+            return None
+        call = self._call
+        step.step_id = self._next_step
+        self._next_step += 1
+        future = asyncio.get_running_loop().create_future()
+        self._pending[step.step_id] = _Pending(future, time.perf_counter())
+        try:
+            await call.write(step)
+        except (grpc.RpcError, asyncio.InvalidStateError) as e:
+            self._disconnect(call, f"write failed: {e}")
+            return None
+        self.metrics.drafter_rpc_bytes.labels(direction="sent").inc(step.ByteSize())
+        return future
+
+    async def result(self, future: asyncio.Future) -> pb.DraftResult | None:
+        """The step's DraftResult, or None after step_timeout (the step is then abandoned)."""
+        try:
+            result = await asyncio.wait_for(asyncio.shield(future), self.step_timeout)
+            if result is None:  # the stream broke while the step was out
+                self.metrics.fallback_steps.labels(reason="down").inc()
+            return result
+        except TimeoutError:
+            for pending in self._pending.values():
+                if pending.future is future:
+                    pending.abandoned = True
+            self.metrics.fallback_steps.labels(reason="timeout").inc()
+            return None
+
+    # ------------------------------------------------------------------------------------------ stream
+
+    async def _connect_forever(self) -> None:
+        delay = self.backoff[0]
+        while not self._closed:
+            channel = grpc_common.create_channel(self.target, self.channel_options)
+            try:
+                started = await self._open(channel)
+                await self._read(self._call)
+                if time.perf_counter() - started > 10 * self.backoff[1]:
+                    delay = self.backoff[0]  # it was up for a good while: retry quickly
+            except HandshakeRefused as e:
+                if str(e) != self.last_error:
+                    log.error("drafter refused: speculation off",
+                              extra={"drafter": self.target, "reason": str(e)})
+                self.last_error, delay = str(e), self.backoff[1]
+            except (grpc.RpcError, OSError) as e:
+                message = e.details() if isinstance(e, grpc.aio.AioRpcError) else str(e)
+                if message != self.last_error:
+                    log.warning("drafter unavailable", extra={"drafter": self.target, "reason": message})
+                self.last_error = message or type(e).__name__
+            finally:
+                self._disconnect(self._call, self.last_error)
+                await channel.close(None)
+            await asyncio.sleep(delay * random.uniform(0.8, 1.2))
+            delay = min(2 * delay, self.backoff[1])
+
+    async def _open(self, channel: grpc.aio.Channel) -> float:
+        stub = drafter_pb2_grpc.DrafterStub(channel)
+        response = await stub.Handshake(self.handshake, timeout=5.0, wait_for_ready=False)
+        if not response.ok:
+            raise HandshakeRefused(response.message or "drafter said no without a reason")
+        self.check_info(response.drafter)
+        self.info = response.drafter
+        self._call = stub.Draft()
+        self.epoch += 1
+        self.last_error = ""
+        log.info("drafter connected", extra={"drafter": self.target, "head": response.drafter.head})
+        self.on_connect()
+        return time.perf_counter()
+
+    async def _read(self, call: grpc.aio.StreamStreamCall) -> None:
+        while True:
+            try:
+                result = await call.read()
+            except asyncio.CancelledError:
+                if asyncio.current_task().cancelling():
+                    raise  # close()
+                raise OSError("Draft stream cancelled") from None  # by _disconnect
+            if result is grpc.aio.EOF:
+                raise OSError("drafter closed the Draft stream")
+            self.metrics.drafter_rpc_bytes.labels(direction="received").inc(result.ByteSize())
+            pending = self._pending.pop(result.step_id, None)
+            if pending is None:
+                self.metrics.bad_payloads.labels(reason="unknown_request").inc()
+                continue
+            self.metrics.drafter_rpc_latency.observe(time.perf_counter() - pending.sent_at)
+            if not pending.abandoned:
+                pending.future.set_result(result)
+            self._drop_answered_before(result.step_id)
+
+    def _drop_answered_before(self, step_id: int) -> None:
+        """Answers come in order: an earlier step still waiting was skipped by the drafter."""
+        for earlier in [s for s in self._pending if s < step_id]:
+            pending = self._pending.pop(earlier)
+            if not pending.future.done():
+                pending.future.set_result(None)
+
+    def _disconnect(self, call: grpc.aio.StreamStreamCall | None, reason: str) -> None:
+        if call is None or call is not self._call:
+            return
+        call.cancel()
+        self._call = None
+        for pending in self._pending.values():
+            if not pending.future.done():
+                pending.future.set_result(None)
+        self._pending.clear()
+        log.warning("drafter disconnected", extra={"drafter": self.target, "reason": reason})

@@ -1,0 +1,518 @@
+"""Continuous batching with speculative verification over TargetEngine.
+
+One asyncio task runs the loop; model work runs on one worker thread so gRPC stays responsive. Each turn:
+free what finished or was aborted, prefill waiting requests into free slots, then verify the running
+requests and stream their new tokens. Speculation is an add-on that can vanish at any step: proposals are
+matched by request id (alignment.py) and a request without one is verified with 0 drafts.
+
+Overlap: while a drafter is connected the running batch is split into two halves that take turns. A half's
+next DraftStep is sent right after its verification, so the drafter drafts for half A while the target
+verifies half B, and neither GPU waits for the other when both steps take about as long.
+
+Drafter state: `drafter_len` is how many of a request's tokens the drafter has been told. Every step sent
+carries each request's tokens (and target features) since then; a new stream resets it to 0, so the next
+step re-sends the whole request as NewRequest and the drafter rebuilds its cache.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+import uuid
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+from specwire.kernels.rejection_sampler import DraftProbs, rejection_sample
+from specwire.verifier.alignment import BatchDrafts, Want, batch_drafts, read_result
+from specwire.verifier.drafter_link import DrafterLink, HandshakeRefused
+
+from specwire.engine import TargetEngine
+from specwire.metrics import VerifierMetrics
+from specwire.sampling_params import SamplingParams
+from specwire.tokenizer import IncrementalDetokenizer, Tokenizer
+from specwire.v1 import drafter_pb2 as dpb
+from specwire.v1 import generation_pb2 as gpb
+from specwire.wire import PROTOCOL_VERSION, encode_tensor
+
+log = logging.getLogger("specwire.verifier.scheduler")
+
+
+class RequestError(ValueError):
+    """A request the scheduler refuses; `code` is a generation_pb2.ErrorCode."""
+
+    def __init__(self, code: int, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(frozen=True)
+class Output:
+    """New tokens of one request and the text they complete; `finish_reason` set on the last one."""
+
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None  # "stop", "length", "abort" or "error"
+    error: str = ""
+
+
+class FeatureRows:
+    """A request's target features, one row per token but the last, with amortised O(1) appends."""
+
+    def __init__(self, rows: torch.Tensor):
+        self._data, self.length = rows, rows.shape[0]
+
+    def append(self, rows: torch.Tensor) -> None:
+        end = self.length + rows.shape[0]
+        if end > self._data.shape[0]:
+            grown = self._data.new_empty(max(end, 2 * self._data.shape[0]), self._data.shape[1])
+            grown[:self.length] = self._data[:self.length]
+            self._data = grown
+        self._data[self.length:end] = rows
+        self.length = end
+
+    def __getitem__(self, rows: slice) -> torch.Tensor:
+        return self._data[:self.length][rows]
+
+
+@dataclass(eq=False)
+class Request:
+    id: str
+    prompt: list[int]
+    params: SamplingParams
+    seed: int
+    eos_ids: frozenset[int]
+    detokenizer: IncrementalDetokenizer
+    outputs: asyncio.Queue = field(default_factory=asyncio.Queue)
+    arrived: float = field(default_factory=time.perf_counter)
+    tokens: list[int] = field(default_factory=list)  # prompt + output
+    slot: int = -1
+    half: int = 0
+    features: FeatureRows | None = None
+    drafter_len: int = 0
+    first_token_at: float = 0.0
+    last_token_at: float = 0.0
+    drafts: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    finish_reason: str | None = None
+    matched_stop: str = ""
+    abort: str | None = None  # "abort" (the Abort RPC: the stream ends with ABORT) or "cancel" (client gone)
+
+    @property
+    def num_output(self) -> int:
+        return len(self.tokens) - len(self.prompt)
+
+    @property
+    def live(self) -> bool:
+        return self.finish_reason is None and self.abort is None
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    num_speculative_tokens: int = 4  # k, drafts asked per request per round
+    max_waiting: int = 256
+    default_max_tokens: int = 128
+    draft_top_k: int = 16  # sampled drafts are drawn from the top-K of the head's q (and shipped sparse)
+    overlap: bool = True  # alternate two halves while a drafter is connected
+
+
+@dataclass
+class _Step:
+    """One verification's results, computed on the worker thread."""
+
+    tokens: list[list[int]]
+    features: list[torch.Tensor] | None
+
+
+class Scheduler:
+    def __init__(self, engine: TargetEngine, tokenizer: Tokenizer, metrics: VerifierMetrics,
+                 config: SchedulerConfig = SchedulerConfig(), link: DrafterLink | None = None):
+        """engine: built with aux_layers the drafters may ask for (features are the final hidden state, then
+        the aux taps); link: the drafter, or None for target-only serving."""
+        self.engine, self.tokenizer, self.metrics = engine, tokenizer, metrics
+        self.config, self.link = config, link
+        self.vocab_size, self.max_context = engine.config.vocab_size, engine.max_context
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.draining = False
+        self._frees: list[str] = []  # requests the drafter knows that left the batch
+        self._in_flight: dict[int, tuple[asyncio.Future, dict[str, Want]]] = {}  # half -> its sent step
+        self._feature_columns: torch.Tensor | None = None
+        self._feature_dtype = torch.float32
+        self._wake = asyncio.Event()
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="verifier-engine")
+        self._task: asyncio.Task | None = None
+        if link is not None:
+            link.handshake = self.handshake_request()
+            link.check_info, link.on_connect = self.check_drafter, self._on_drafter_connect
+
+    # ------------------------------------------------------------------------------------------ requests
+
+    def submit(self, prompt: list[int], params: SamplingParams, request_id: str = "") -> Request:
+        """Queues a request, or raises RequestError naming what is wrong with it."""
+        invalid = gpb.ERROR_CODE_INVALID_ARGUMENT
+        if self.draining:
+            raise RequestError(gpb.ERROR_CODE_UNAVAILABLE, "the server is shutting down")
+        request_id = request_id or uuid.uuid4().hex
+        if request_id in self.requests:
+            raise RequestError(gpb.ERROR_CODE_ALREADY_EXISTS,
+                               f"request_id {request_id!r} is already in flight")
+        if not prompt:
+            raise RequestError(invalid, "prompt is empty")
+        if bad := [t for t in prompt if not 0 <= t < self.vocab_size]:
+            raise RequestError(invalid, f"prompt token id {bad[0]} out of range [0, {self.vocab_size})")
+        try:
+            params.validate(self.vocab_size, self.max_context)
+            detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop)
+        except ValueError as e:
+            raise RequestError(invalid, str(e)) from None
+        if len(prompt) >= self.max_context:
+            raise RequestError(gpb.ERROR_CODE_RESOURCE_EXHAUSTED,
+                               f"prompt of {len(prompt)} tokens does not fit the context of "
+                               f"{self.max_context} tokens (at most {self.max_context - 1})")
+        if len(self.waiting) >= self.config.max_waiting:
+            raise RequestError(gpb.ERROR_CODE_RESOURCE_EXHAUSTED,
+                               f"the waiting queue is full ({self.config.max_waiting} requests)")
+        seed = params.seed if params.seed is not None else secrets.randbits(63)
+        eos = frozenset() if params.ignore_eos else frozenset(self.tokenizer.eos_token_ids)
+        request = Request(request_id, list(prompt), params, seed, eos, detokenizer, tokens=list(prompt))
+        self.requests[request_id] = request
+        self.waiting.append(request)
+        self._wake.set()
+        return request
+
+    def abort(self, request_id: str, cancelled: bool = False) -> bool:
+        """Stops a request; it leaves the batch (and the drafter) at the next step boundary."""
+        request = self.requests.get(request_id)
+        if request is None or not request.live:
+            return False
+        request.abort = "cancel" if cancelled else "abort"
+        self._wake.set()
+        return True
+
+    @property
+    def speculating(self) -> bool:
+        return self.link is not None and self.link.connected and self.config.num_speculative_tokens > 0
+
+    # ------------------------------------------------------------------------------------------ loop
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run())
+        if self.link is not None:
+            self.link.start()
+
+    async def close(self) -> None:
+        if self.link is not None:
+            await self.link.close()
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        self._worker.shutdown(wait=True)
+
+    async def _run(self) -> None:
+        while True:
+            self._reap()
+            self.metrics.num_requests_running.set(len(self.running))
+            self.metrics.num_requests_waiting.set(len(self.waiting))
+            if not self.waiting and not self.running:
+                if self._frees and self.speculating:
+                    await self._send_step(0, [])
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            if self.waiting and self.engine.num_free_slots:
+                await self._guarded(self._prefill, self._admit())
+            for half, group in self._groups():
+                if group:
+                    await self._guarded(self._verify, group, half)
+                    self._reap()
+
+    async def _guarded(self, step, requests: list[Request], *args) -> None:
+        """Runs one step; a fault (a kernel error, a bug) fails these requests, never the server."""
+        try:
+            await step(requests, *args)
+        except Exception as e:
+            log.exception("step failed", extra={"requests": [r.id for r in requests]})
+            for r in requests:
+                if r.live:
+                    r.finish_reason = "error"
+                    r.outputs.put_nowait(Output([], "", "error", f"internal error: {type(e).__name__}: {e}"))
+
+    def _groups(self) -> list[tuple[int, list[Request]]]:
+        """(half, its requests): the two halves while overlapping, else everyone as half 0."""
+        if self.config.overlap and self.speculating:
+            return [(h, [r for r in self.running if r.half == h]) for h in (0, 1)]
+        return [(0, list(self.running))]
+
+    def _admit(self) -> list[Request]:
+        admitted, budget = [], self.engine.max_prefill_tokens
+        while self.waiting and self.engine.num_free_slots and (
+                not admitted or len(self.waiting[0].prompt) <= budget):
+            r = self.waiting.popleft()
+            r.slot = self.engine.allocate_slot()
+            budget -= len(r.prompt)
+            admitted.append(r)
+        return admitted
+
+    def _reap(self) -> None:
+        """Frees requests that finished or were aborted: slot, drafter state, the stream's last message."""
+        for r in [r for r in self.waiting if not r.live]:
+            self.waiting.remove(r)
+            self._release(r)
+        for r in [r for r in self.running if not r.live]:
+            self.running.remove(r)
+            self.engine.free_slot(r.slot)
+            if r.drafter_len:
+                self._frees.append(r.id)
+            self._release(r)
+
+    def _release(self, r: Request) -> None:
+        del self.requests[r.id]
+        if r.abort is not None and r.finish_reason is None:
+            r.finish_reason = "abort"
+            r.outputs.put_nowait(Output([], r.detokenizer.flush(), "abort"))
+        reason = r.finish_reason
+        self.metrics.requests_finished.labels(finish_reason=reason).inc()
+        if reason in ("stop", "length"):
+            self.metrics.e2e_request_latency.observe(time.perf_counter() - r.arrived)
+
+    # ------------------------------------------------------------------------------------------ steps
+
+    async def _compute(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._worker, fn, *args)
+
+    async def _prefill(self, admitted: list[Request]) -> None:
+        for r in admitted:  # join the smaller half
+            r.half = int(sum(x.half == 0 for x in self.running) > sum(x.half == 1 for x in self.running))
+            self.running.append(r)
+        step = await self._compute(self._prefill_on_worker, admitted)
+        for r, tokens in zip(admitted, step.tokens, strict=True):
+            if step.features is not None:
+                r.features = FeatureRows(step.features.pop(0))
+            self.metrics.prompt_tokens.inc(len(r.prompt))
+            self._emit(r, tokens)
+
+    async def _verify(self, group: list[Request], half: int) -> None:
+        sent = self._in_flight.pop(half, None)
+        result = await self.link.result(sent[0]) if sent else None
+        live = [r for r in group if r.live]
+        if not live:
+            return
+        if sent is None and self.config.num_speculative_tokens and self.link and not self.link.connected:
+            self.metrics.fallback_steps.labels(reason="down").inc()
+        batch = self._drafts_for(live, result, sent[1] if sent else {})
+        step = await self._compute(self._verify_on_worker, live, batch)
+        num_drafts = batch.num_drafts
+        accepted = [len(t) - 1 for t in step.tokens]
+        self.metrics.observe_verification(num_drafts, accepted)
+        for i, r in enumerate(live):
+            r.drafts += num_drafts[i] > 0
+            r.draft_tokens += num_drafts[i]
+            r.accepted_tokens += accepted[i]
+            if step.features is not None:
+                r.features.append(step.features[i])
+            if r.live:  # an abort that came in during the step wins: nothing more is streamed
+                self._emit(r, step.tokens[i])
+        if self.speculating:
+            await self._send_step(half, [r for r in live if r.live])
+
+    def _drafts_for(self, live: list[Request], result: dpb.DraftResult | None, wants: dict[str, Want]
+                    ) -> BatchDrafts:
+        ids = [r.id for r in live]
+        if result is None:  # no drafts this step (a timeout or a broken stream is counted by the link)
+            return batch_drafts(ids, {}, self.vocab_size)
+        if result.error:
+            log.warning("drafter step failed", extra={"error": result.error})
+        aligned = read_result(result, wants, self.vocab_size)
+        if aligned.unknown_ids:
+            self.metrics.bad_payloads.labels(reason="unknown_request").inc(len(aligned.unknown_ids))
+        if aligned.invalid:
+            self.metrics.bad_payloads.labels(reason="bad_tensor").inc(len(aligned.invalid))
+            self.metrics.fallback_steps.labels(reason="bad_payload").inc()
+            log.warning("bad drafter proposals", extra={"invalid": aligned.invalid})
+        for rid in result.dropped_request_ids:  # the drafter lost it: re-send the whole request next step
+            if (r := self.requests.get(rid)) is not None:
+                r.drafter_len = 0
+        return batch_drafts(ids, aligned.drafts, self.vocab_size)
+
+    def _emit(self, r: Request, new_tokens: list[int]) -> None:
+        """Appends tokens up to the first that finishes the request, and streams them."""
+        now = time.perf_counter()
+        if r.first_token_at == 0.0:
+            r.first_token_at = now
+            self.metrics.time_to_first_token.observe(now - r.arrived)
+        else:
+            self.metrics.inter_token_latency.observe(now - r.last_token_at)
+        r.last_token_at = now
+        emitted, text = [], ""
+        for token in new_tokens:
+            r.tokens.append(token)
+            emitted.append(token)
+            text += r.detokenizer.push([token])
+            if token in r.eos_ids or r.detokenizer.stopped:
+                r.finish_reason = "stop"
+            elif r.num_output >= r.params.max_tokens or len(r.tokens) >= self.max_context:
+                r.finish_reason = "length"
+            if r.finish_reason:
+                text += r.detokenizer.flush()
+                if r.detokenizer.stopped:
+                    r.matched_stop = self._matched_stop(r)
+                break
+        self.metrics.generation_tokens.inc(len(emitted))
+        r.outputs.put_nowait(Output(emitted, text, r.finish_reason))
+
+    def _matched_stop(self, r: Request) -> str:
+        text = self.tokenizer.decode(r.tokens[len(r.prompt):])
+        return min((s for s in r.params.stop if s in text), key=text.find, default="")
+
+    # ------------------------------------------------------------------------------------------ worker
+
+    @torch.inference_mode()
+    def _prefill_on_worker(self, admitted: list[Request]) -> _Step:
+        out = self.engine.prefill([(r.slot, r.prompt) for r in admitted])
+        self.metrics.forward_steps.labels(mode="eager").inc()
+        none = BatchDrafts([[] for _ in admitted], None)
+        tokens = self._sample(out.logits, admitted, none)
+        features = None
+        if self.link is not None:
+            rows = self._feature_table(out.hidden, out.aux_hidden).cpu()
+            features = list(rows.split([len(r.prompt) for r in admitted]))
+        return _Step(tokens, features)
+
+    @torch.inference_mode()
+    def _verify_on_worker(self, live: list[Request], batch: BatchDrafts) -> _Step:
+        slots = [r.slot for r in live]
+        starts = [len(r.tokens) - 1 for r in live]
+        if any(batch.num_drafts):
+            rows = [[r.tokens[-1], *d] for r, d in zip(live, batch.token_ids, strict=True)]
+            out = self.engine.verify(slots, rows, starts)
+            mode = "eager"
+        else:
+            out = self.engine.decode(slots, [r.tokens[-1] for r in live], starts)
+            graphs = self.engine.graphs
+            mode = "cuda_graph" if graphs is not None and len(live) <= graphs.sizes[-1] else "eager"
+        self.metrics.forward_steps.labels(mode=mode).inc()
+        tokens = self._sample(out.logits, live, batch)
+        features = None
+        if self.link is not None:  # the rows the target ran on whose next token is now settled
+            first = torch.tensor([0, *batch.num_drafts]).add(1).cumsum(0)[:-1] - 1
+            index = torch.cat([torch.arange(f, f + len(t))
+                               for f, t in zip(first.tolist(), tokens, strict=True)])
+            rows = self._feature_table(out.hidden, out.aux_hidden)[index.to(out.hidden.device)].cpu()
+            features = list(rows.split([len(t) for t in tokens]))
+        return _Step(tokens, features)
+
+    def _sample(self, logits: torch.Tensor, requests: list[Request], batch: BatchDrafts) -> list[list[int]]:
+        def column(values: list, dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype)
+
+        device = logits.device
+        probs = batch.probs
+        if probs is not None:
+            probs = (DraftProbs.dense(probs.probs.to(device)) if probs.is_dense
+                     else DraftProbs.sparse(probs.indices.to(device), probs.values.to(device)))
+        out = rejection_sample(
+            logits,
+            torch.tensor([t for d in batch.token_ids for t in d], dtype=torch.int64).to(device),
+            column(batch.num_drafts, torch.int32),
+            probs,
+            column([r.params.temperature for r in requests], torch.float32),
+            column([r.params.top_k for r in requests], torch.int32),
+            column([r.params.top_p for r in requests], torch.float32),
+            column([r.seed for r in requests], torch.int64),
+            column([len(r.tokens) for r in requests], torch.int64),
+        )
+        tokens, counts = out.tokens.cpu().tolist(), out.num_tokens.cpu().tolist()
+        return [row[:n] for row, n in zip(tokens, counts, strict=True)]
+
+    @staticmethod
+    def _feature_table(hidden: torch.Tensor, aux: torch.Tensor | None) -> torch.Tensor:
+        """Per token: the final normed hidden state, then the aux taps (the drafter picks its columns)."""
+        return hidden if aux is None else torch.cat([hidden, aux], dim=-1)
+
+    # ------------------------------------------------------------------------------------------ drafter
+
+    def handshake_request(self) -> dpb.HandshakeRequest:
+        c = self.engine.config
+        return dpb.HandshakeRequest(
+            protocol_version=PROTOCOL_VERSION, vocab_size=c.vocab_size, hidden_size=c.hidden_size,
+            tokenizer_fingerprint=self.tokenizer.fingerprint, num_layers=c.num_layers,
+        )
+
+    def check_drafter(self, info: dpb.DrafterInfo) -> None:
+        """Picks the feature columns the drafter asked for, or raises HandshakeRefused."""
+        H, taps = self.engine.config.hidden_size, self.engine.aux_layers
+        if missing := [layer for layer in info.aux_layers if layer not in taps]:
+            raise HandshakeRefused(f"drafter wants the input of target layer {missing[0]}, but this verifier "
+                                   f"taps layers {list(taps)} (set --aux-layers)")
+        blocks = [taps.index(layer) + 1 for layer in info.aux_layers] or [0]
+        columns = torch.cat([torch.arange(b * H, (b + 1) * H) for b in blocks])
+        if info.feature_dim != len(columns):
+            raise HandshakeRefused(f"drafter feature_dim {info.feature_dim} != {len(columns)} "
+                                   f"({len(blocks)} x hidden size {H})")
+        if info.max_num_drafts < 1:
+            raise HandshakeRefused("drafter offers max_num_drafts = 0")
+        if info.feature_dtype not in (dpb.DTYPE_FLOAT32, dpb.DTYPE_BFLOAT16, dpb.DTYPE_FLOAT16):
+            raise HandshakeRefused(f"drafter asks features as {dpb.DType.Name(info.feature_dtype)}")
+        self._feature_columns = columns
+        self._feature_dtype = {dpb.DTYPE_FLOAT32: torch.float32, dpb.DTYPE_BFLOAT16: torch.bfloat16,
+                               dpb.DTYPE_FLOAT16: torch.float16}[info.feature_dtype]
+
+    def _on_drafter_connect(self) -> None:
+        """A fresh stream holds nothing: every live request is re-sent whole with its next step."""
+        for r in self.running:
+            r.drafter_len = 0
+        self._frees.clear()
+        self._in_flight.clear()
+        self._wake.set()
+
+    def _num_drafts(self, r: Request) -> int:
+        room = min(self.max_context - len(r.tokens), r.params.max_tokens - r.num_output) - 1
+        return max(0, min(self.config.num_speculative_tokens, self.link.info.max_num_drafts, room))
+
+    def _want(self, r: Request, k: int) -> tuple[dpb.DraftWant, Want]:
+        p = r.params
+        # Seeded requests draft greedily: one-hot q is exact and the drafts (so the output) repeat.
+        temperature = 0.0 if p.greedy or p.seed is not None else p.temperature
+        top_k = 0 if temperature == 0 else min(p.top_k or self.config.draft_top_k, self.config.draft_top_k)
+        want = dpb.DraftWant(request_id=r.id, num_drafts=k, temperature=temperature, top_k=top_k)
+        if p.seed is not None:
+            want.seed = p.seed
+        return want, Want(k, temperature, top_k)
+
+    def _features(self, r: Request, start: int, end: int) -> dpb.Tensor:
+        return encode_tensor(r.features[start:end][:, self._feature_columns].to(self._feature_dtype))
+
+    async def _send_step(self, half: int, group: list[Request]) -> None:
+        """Tells the drafter what changed for `group` (and who left), and asks for its next drafts."""
+        if not self.link.can_send():
+            return  # nothing recorded as sent: the next step carries these updates
+        step = dpb.DraftStep()
+        step.updates.extend(dpb.RequestUpdate(request_id=rid, free=dpb.Free()) for rid in self._frees)
+        wants: dict[str, Want] = {}
+        for r in group:
+            n = len(r.tokens)
+            if r.drafter_len == 0:
+                new = dpb.NewRequest(token_ids=r.tokens, features=self._features(r, 0, n - 1))
+                step.updates.append(dpb.RequestUpdate(request_id=r.id, new_request=new))
+            elif r.drafter_len < n:
+                accepted = dpb.Accepted(position=r.drafter_len, token_ids=r.tokens[r.drafter_len:],
+                                        features=self._features(r, r.drafter_len - 1, n - 1))
+                step.updates.append(dpb.RequestUpdate(request_id=r.id, accepted=accepted))
+            if k := self._num_drafts(r):
+                message, wants[r.id] = self._want(r, k)
+                step.wants.append(message)
+        epoch = self.link.epoch
+        future = await self.link.send(step)
+        if future is None or self.link.epoch != epoch:  # a new stream already asked for everything again
+            return
+        self._frees.clear()
+        for r in group:
+            r.drafter_len = len(r.tokens)
+        if wants:
+            self._in_flight[half] = (future, wants)

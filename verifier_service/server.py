@@ -1,0 +1,176 @@
+"""The client-facing Generation service on top of the scheduler, and the verifier process around it.
+
+A request's own failure (bad parameters, prompt too long, queue full) is an in-band Error message with a
+google.rpc code; the RPC itself ends OK. A cancelled call or an expired deadline aborts the request, which
+frees its slot here and its state on the drafter.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+
+import grpc
+from specwire.verifier.drafter_link import DrafterLink
+from specwire.verifier.scheduler import Request, RequestError, Scheduler, SchedulerConfig
+
+from specwire import grpc_common
+from specwire.engine import TargetEngine
+from specwire.metrics import VerifierMetrics
+from specwire.sampling_params import SamplingParams
+from specwire.tokenizer import Tokenizer
+from specwire.v1 import generation_pb2 as pb
+from specwire.v1 import generation_pb2_grpc
+from specwire.wire import PROTOCOL_VERSION
+
+log = logging.getLogger("specwire.verifier")
+
+_FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH, "abort": pb.FINISH_REASON_ABORT}
+
+
+class GenerationService(generation_pb2_grpc.GenerationServicer):
+    def __init__(self, model_name: str):
+        self.model_name = model_name
+        self.scheduler: Scheduler | None = None  # set once the model is loaded; until then UNAVAILABLE
+
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
+        request_id = request.request_id or uuid.uuid4().hex
+        try:
+            if self.scheduler is None:
+                raise RequestError(pb.ERROR_CODE_UNAVAILABLE, "the model is still loading")
+            prompt, params = self.parse(request)
+            r = self.scheduler.submit(prompt, params, request_id)
+        except RequestError as e:
+            yield pb.GenerateResponse(request_id=request_id, error=pb.Error(code=e.code, message=str(e)))
+            return
+        done = False
+        try:
+            while not done:
+                out = await r.outputs.get()
+                done = out.finish_reason is not None
+                if out.finish_reason == "error":
+                    yield pb.GenerateResponse(request_id=request_id, error=pb.Error(
+                        code=pb.ERROR_CODE_INTERNAL, message=out.error))
+                    return
+                if out.token_ids or out.text:
+                    yield pb.GenerateResponse(request_id=request_id,
+                                              chunk=pb.Chunk(token_ids=out.token_ids, text=out.text))
+            yield pb.GenerateResponse(request_id=request_id, complete=self.complete(r))
+        finally:
+            if not done:  # the client went away (cancel, deadline): free the slot and the drafter state
+                self.scheduler.abort(request_id, cancelled=True)
+
+    async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
+        found = self.scheduler is not None and self.scheduler.abort(request.request_id)
+        return pb.AbortResponse(found=found)
+
+    async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext
+                           ) -> pb.ModelInfo:
+        s = self.scheduler
+        if s is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading")
+        c, link = s.engine.config, s.link
+        speculation = pb.SpeculationInfo(
+            enabled=link is not None and s.config.num_speculative_tokens > 0,
+            drafter_connected=link is not None and link.connected,
+            num_speculative_tokens=s.config.num_speculative_tokens if link is not None else 0,
+            drafter_head=link.info.head if link is not None and link.info is not None else "",
+        )
+        return pb.ModelInfo(
+            model_name=self.model_name, vocab_size=c.vocab_size, hidden_size=c.hidden_size,
+            max_context=s.max_context, tokenizer_fingerprint=s.tokenizer.fingerprint,
+            eos_token_ids=list(s.tokenizer.eos_token_ids), speculation=speculation,
+            num_running=len(s.running), num_waiting=len(s.waiting), free_slots=s.engine.num_free_slots,
+            max_slots=s.engine.max_slots, protocol_version=PROTOCOL_VERSION,
+        )
+
+    # ------------------------------------------------------------------------------------------ messages
+
+    def parse(self, request: pb.GenerateRequest) -> tuple[list[int], SamplingParams]:
+        """The prompt's token ids and the sampling parameters; RequestError(INVALID_ARGUMENT) if malformed."""
+        s = self.scheduler
+        prompt_kind = request.WhichOneof("prompt")
+        if prompt_kind == "token_ids":
+            if request.chat:
+                raise RequestError(pb.ERROR_CODE_INVALID_ARGUMENT, "chat needs a text prompt, not token ids")
+            prompt = list(request.token_ids.ids)
+        elif prompt_kind == "text" and request.text:
+            text = request.text
+            if request.chat:
+                text = s.tokenizer.apply_chat_template([{"role": "user", "content": text}])
+            prompt = s.tokenizer.encode(text, add_special_tokens=not request.chat)  # a template holds them
+        else:
+            prompt = []
+        sp = request.sampling
+        room = max(1, s.max_context - len(prompt))
+        max_tokens = sp.max_tokens if sp.HasField("max_tokens") else min(s.config.default_max_tokens, room)
+        params = SamplingParams(
+            temperature=sp.temperature, top_k=sp.top_k, top_p=sp.top_p if sp.HasField("top_p") else 1.0,
+            seed=sp.seed if sp.HasField("seed") else None, max_tokens=max_tokens, stop=tuple(sp.stop),
+            ignore_eos=sp.ignore_eos,
+        )
+        return prompt, params
+
+    @staticmethod
+    def complete(r: Request) -> pb.Complete:
+        usage = pb.Usage(
+            prompt_tokens=len(r.prompt), completion_tokens=r.num_output, drafts=r.drafts,
+            draft_tokens=r.draft_tokens, accepted_tokens=r.accepted_tokens,
+            mean_acceptance_length=1 + r.accepted_tokens / r.drafts if r.drafts else 0.0,
+            seconds=(r.last_token_at or time.perf_counter()) - r.arrived,
+            time_to_first_token_seconds=max(0.0, r.first_token_at - r.arrived),
+            speculative=r.draft_tokens > 0,
+        )
+        return pb.Complete(finish_reason=_FINISH[r.finish_reason], usage=usage, matched_stop=r.matched_stop)
+
+
+@dataclass
+class VerifierSettings:
+    """What `specwire verifier` runs, beyond the gRPC server options."""
+
+    drafter: str | None = None  # HOST:PORT; None = target-only
+    drafter_channel: grpc_common.ChannelOptions = grpc_common.ChannelOptions()
+    step_timeout: float = 1.0  # seconds a step waits for its drafts before verifying without them
+    scheduler: SchedulerConfig = SchedulerConfig()
+    model_name: str = ""
+
+
+class VerifierServer:
+    """The gRPC server, the scheduler and the drafter link of one verifier process."""
+
+    def __init__(self, options: grpc_common.ServerOptions, settings: VerifierSettings,
+                 metrics: VerifierMetrics | None = None):
+        self.settings, self.metrics = settings, metrics or VerifierMetrics()
+        self.grpc = grpc_common.GrpcServer(options)
+        self.service = GenerationService(settings.model_name)
+        add = generation_pb2_grpc.add_GenerationServicer_to_server
+        self.grpc.add_service(grpc_common.GENERATION_SERVICE, add, self.service, require_token=True)
+        self.scheduler: Scheduler | None = None
+
+    async def start(self, engine: TargetEngine, tokenizer: Tokenizer) -> int:
+        """Binds the port (unless bound), starts the scheduler on `engine`, then reports SERVING."""
+        port = self.grpc.port or await self.grpc.start()
+        self.attach(engine, tokenizer)
+        await self.grpc.set_serving(True)
+        return port
+
+    def attach(self, engine: TargetEngine, tokenizer: Tokenizer) -> None:
+        s = self.settings
+        link = None
+        if s.drafter:
+            link = DrafterLink(s.drafter, self.metrics, s.drafter_channel, step_timeout=s.step_timeout)
+        self.scheduler = Scheduler(engine, tokenizer, self.metrics, s.scheduler, link)
+        self.scheduler.start()
+        self.service.scheduler = self.scheduler
+
+    async def stop(self, grace: float | None = 0.0) -> None:
+        """Drains (in-flight requests get `grace` seconds), then stops the scheduler and the drafter link."""
+        if self.scheduler is not None:
+            self.scheduler.draining = True
+        await self.grpc.drain(grace)
+        if self.scheduler is not None:
+            await self.scheduler.close()
+        self.metrics.close()
+
