@@ -1,0 +1,7 @@
+"""`python -m specwire` runs the CLI."""
+
+import sys
+
+from specwire.cli import main
+
+sys.exit(main())

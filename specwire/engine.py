@@ -1,0 +1,424 @@
+"""The target engine: model + KV cache + slots, the step API (prefill / decode / verify) the verifier builds
+on, CUDA graphs for the decode step, and target-only `generate()` with continuous batching."""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from specwire.config import ModelConfig
+from specwire.default_model import resolve_model_path
+from specwire.kernels.rejection_sampler import rejection_sample
+from specwire.model import KVCache, LlamaModel, ModelOutput
+from specwire.sampling_params import SamplingParams
+from specwire.tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
+from specwire.weights import load_checkpoint
+
+DTYPES = {
+    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+    "fp16": torch.float16, "float16": torch.float16,
+    "fp32": torch.float32, "float32": torch.float32,
+}
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def parse_device(name: str | torch.device) -> torch.device:
+    try:
+        device = torch.device(name)
+    except RuntimeError as e:
+        raise ValueError(f"invalid device {str(name)!r}") from e
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {str(name)!r} requested but CUDA is not available")
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"unsupported device {str(name)!r} (cpu or cuda)")
+    return device
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r} (choose from {', '.join(DTYPES)})")
+    return DTYPES[name]
+
+
+@dataclass
+class StepOutput:
+    """One step's results. logits are float32 and owned by the caller (never a CUDA-graph buffer)."""
+
+    logits: torch.Tensor  # prefill: [num_requests, V] at each last prompt token; decode/verify: [N, V]
+    hidden: torch.Tensor  # [N, H] final normed hidden state of every fed token, requests concatenated
+    aux_hidden: torch.Tensor | None  # [N, len(aux_layers) * H] or None
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[int]
+    text: str
+    finish_reason: str  # "stop" (EOS or a stop string) or "length"
+    stats: dict[str, float] = field(default_factory=dict)  # tokens, seconds, tokens_per_s
+
+
+def capture_sizes(max_batch: int) -> list[int]:
+    """Batch sizes with a decode graph: powers of two below max_batch, then max_batch itself."""
+    sizes, size = [], 1
+    while size < max_batch:
+        sizes.append(size)
+        size *= 2
+    return [*sizes, max_batch]
+
+
+class DecodeGraphs:
+    """CUDA graphs of the T = 1 step, one per batch size, sharing static input buffers and a memory pool.
+
+    A batch is padded to the next captured size; pad rows feed 0 tokens at position 0 of the trash slot,
+    rewritten before every replay so no stale metadata reaches the kernels.
+    """
+
+    def __init__(self, model: LlamaModel, cache: KVCache, aux_layers: tuple[int, ...], max_batch: int):
+        self.sizes = capture_sizes(max_batch)
+        self.trash = cache.trash_slot
+        device, n = model.device, self.sizes[-1]
+        self.input_ids = torch.zeros(n, 1, dtype=torch.int64, device=device)
+        self.start_pos = torch.zeros(n, dtype=torch.int32, device=device)
+        self.num_tokens = torch.zeros(n, dtype=torch.int32, device=device)
+        self.slots = torch.full((n,), self.trash, dtype=torch.int32, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, ModelOutput] = {}
+
+        def step(size: int) -> ModelOutput:
+            return model(self.input_ids[:size], self.start_pos[:size], self.num_tokens[:size],
+                         self.slots[:size], cache, aux_layers=aux_layers)
+
+        step(n)  # warm-up outside capture: compiles the Triton kernels; all rows are padding
+        torch.cuda.synchronize()
+        pool = None
+        for size in reversed(self.sizes):  # largest first, so smaller graphs reuse its pool memory
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.outputs[size] = step(size)
+            pool = graph.pool()
+            self.graphs[size] = graph
+        torch.cuda.synchronize()
+
+    def prepare(self, slots: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor) -> int:
+        """Copy one batch into the static buffers (pad rows -> trash slot); returns the graph size."""
+        b = slots.shape[0]
+        size = next(s for s in self.sizes if s >= b)
+        self.input_ids[:b, 0].copy_(tokens)
+        self.start_pos[:b].copy_(positions)
+        self.slots[:b].copy_(slots)
+        self.num_tokens[:b].fill_(1)
+        self.input_ids[b:size].zero_()
+        self.start_pos[b:size].zero_()
+        self.num_tokens[b:size].zero_()
+        self.slots[b:size].fill_(self.trash)
+        return size
+
+    def replay(self, size: int) -> ModelOutput:
+        self.graphs[size].replay()
+        return self.outputs[size]
+
+
+class TargetEngine:
+    """The target model with a slot-indexed KV cache.
+
+    Step API (the verifier's building blocks): `allocate_slot` / `free_slot`, `prefill`, `decode`,
+    `verify`. Requests join and leave between steps. `generate` runs target-only decoding on top of it.
+    """
+
+    def __init__(
+        self,
+        model_path: str | None = None,
+        device: str | torch.device | None = None,
+        dtype: str | torch.dtype | None = None,
+        max_slots: int = 8,
+        max_context: int | None = None,
+        cuda_graphs: bool = True,
+        aux_layers: tuple[int, ...] = (),
+        max_prefill_tokens: int = 8192,
+        checkpoint: tuple[ModelConfig, dict[str, torch.Tensor]] | None = None,
+    ):
+        """max_context: cache positions per slot (default min(2048, max_position_embeddings)).
+        checkpoint=(config, state_dict) uses those weights instead of loading model_path (synthetic
+        benchmark models); such an engine has no tokenizer and offers the step API only."""
+        self.device = parse_device(device) if device is not None else default_device()
+        self.dtype = parse_dtype(dtype) if dtype is not None else default_dtype(self.device)
+        if max_slots < 1:
+            raise ValueError(f"max_slots must be >= 1, got {max_slots}")
+        if max_prefill_tokens < 1:
+            raise ValueError(f"max_prefill_tokens must be >= 1, got {max_prefill_tokens}")
+        if checkpoint is None:
+            path = resolve_model_path(model_path)
+            config, state_dict = load_checkpoint(path)
+            self.tokenizer: Tokenizer | None = load_tokenizer(path)
+        else:
+            (config, state_dict), self.tokenizer = checkpoint, None
+        if max_context is None:
+            max_context = min(2048, config.max_position_embeddings)
+        if max_context < 2:
+            raise ValueError(f"max_context must be >= 2, got {max_context}")
+        if max_context > config.max_position_embeddings:
+            raise ValueError(
+                f"max_context={max_context} exceeds the model's max_position_embeddings="
+                f"{config.max_position_embeddings}"
+            )
+        self.config = config
+        self.max_context = max_context
+        self.max_prefill_tokens = max_prefill_tokens
+        self.aux_layers = tuple(aux_layers)
+        self.model = LlamaModel(config, self.dtype, self.device, max_positions=max_context)
+        self.model.load_weights(state_dict)
+        del state_dict
+        self.cache = KVCache.allocate(config, max_slots, max_context, self.dtype, self.device)
+        self.max_slots = max_slots
+        self._free_slots = list(range(max_slots - 1, -1, -1))  # pop() hands out slot 0 first
+        use_graphs = cuda_graphs and self.device.type == "cuda"
+        self.graphs = DecodeGraphs(self.model, self.cache, self.aux_layers, max_slots) if use_graphs else None
+
+    # ------------------------------------------------------------------------------------------ slots
+
+    @property
+    def num_free_slots(self) -> int:
+        return len(self._free_slots)
+
+    def allocate_slot(self) -> int:
+        if not self._free_slots:
+            raise RuntimeError(f"all {self.max_slots} KV-cache slots are in use")
+        return self._free_slots.pop()
+
+    def free_slot(self, slot: int) -> None:
+        if not 0 <= slot < self.max_slots or slot in self._free_slots:
+            raise ValueError(f"slot {slot} is not allocated")
+        self._free_slots.append(slot)
+
+    # ------------------------------------------------------------------------------------------ steps
+
+    def check_token_ids(self, token_ids: Sequence[int]) -> None:
+        vocab = self.config.vocab_size
+        if bad := [t for t in token_ids if not 0 <= t < vocab]:
+            raise ValueError(f"token id {bad[0]} out of range [0, {vocab})")
+
+    def prefill(self, requests: Sequence[tuple[int, Sequence[int]]]) -> StepOutput:
+        """Feed whole prompts [(slot, token ids)] from position 0 in padded batches, chunked so that no
+        forward holds more than max_prefill_tokens grid cells. logits: [len(requests), V] at each last
+        prompt token; hidden/aux: every prompt token, requests concatenated in order."""
+        if not requests:
+            raise ValueError("prefill needs at least one request")
+        lengths = [len(ids) for _, ids in requests]
+        for (slot, ids), n in zip(requests, lengths, strict=True):
+            if not 0 < n <= self.max_context:
+                raise ValueError(f"prompt of {n} tokens does not fit the context (1..{self.max_context})")
+            if not 0 <= slot < self.max_slots:
+                raise ValueError(f"slot {slot} out of range [0, {self.max_slots})")
+            self.check_token_ids(ids)
+        chunk = max(1, min(max(lengths), self.max_prefill_tokens // len(requests)))
+        logits: list[torch.Tensor | None] = [None] * len(requests)
+        hidden: list[list[torch.Tensor]] = [[] for _ in requests]
+        aux: list[list[torch.Tensor]] = [[] for _ in requests]
+        for start in range(0, max(lengths), chunk):
+            rows = [r for r, n in enumerate(lengths) if n > start]
+            counts = [min(chunk, lengths[r] - start) for r in rows]
+            width = max(counts)
+            ids = torch.zeros(len(rows), width, dtype=torch.int64)
+            for i, (r, n) in enumerate(zip(rows, counts, strict=True)):
+                ids[i, :n] = torch.as_tensor(requests[r][1][start:start + n])
+            out = self.model(
+                ids.to(self.device),
+                torch.full((len(rows),), start, dtype=torch.int32, device=self.device),
+                torch.tensor(counts, dtype=torch.int32, device=self.device),
+                torch.tensor([requests[r][0] for r in rows], dtype=torch.int32, device=self.device),
+                self.cache,
+                logits_index=torch.tensor([i * width + n - 1 for i, n in enumerate(counts)],
+                                          device=self.device),
+                aux_layers=self.aux_layers,
+            )
+            for i, (r, n) in enumerate(zip(rows, counts, strict=True)):
+                if start + n == lengths[r]:
+                    logits[r] = out.logits[i]
+                hidden[r].append(out.hidden[i, :n])
+                if out.aux_hidden is not None:
+                    aux[r].append(out.aux_hidden[i, :n])
+        return StepOutput(
+            torch.stack(logits),
+            torch.cat([h for pieces in hidden for h in pieces]),
+            torch.cat([a for pieces in aux for a in pieces]) if self.aux_layers else None,
+        )
+
+    def decode(
+        self, slots: Sequence[int] | torch.Tensor, last_tokens: Sequence[int] | torch.Tensor,
+        positions: Sequence[int] | torch.Tensor,
+    ) -> StepOutput:
+        """One token per request: last_tokens[b] at absolute position positions[b] of slot slots[b].
+        Replays a CUDA graph when the engine has them and the batch fits; eager otherwise."""
+        slots_t = self._device_tensor(slots, torch.int32)
+        tokens_t = self._device_tensor(last_tokens, torch.int64)
+        positions_t = self._device_tensor(positions, torch.int32)
+        b = slots_t.shape[0]
+        if self.graphs is not None and b <= self.graphs.sizes[-1]:
+            out = self.graphs.replay(self.graphs.prepare(slots_t, tokens_t, positions_t))
+        else:
+            ones = torch.ones(b, dtype=torch.int32, device=self.device)
+            out = self.model(tokens_t[:, None], positions_t, ones, slots_t, self.cache,
+                             aux_layers=self.aux_layers)
+        aux = out.aux_hidden[:b, 0].clone() if out.aux_hidden is not None else None
+        return StepOutput(out.logits[:b].clone(), out.hidden[:b, 0].clone(), aux)
+
+    def verify(
+        self, slots: Sequence[int], token_lists: Sequence[Sequence[int]], start_positions: Sequence[int]
+    ) -> StepOutput:
+        """Row b feeds token_lists[b] = [last token, d_1..d_k] at start_positions[b]...; returns logits,
+        hidden and aux for every fed token, rows concatenated: [sum(1 + k_b), ...]."""
+        counts = [len(t) for t in token_lists]
+        if not counts or min(counts) < 1:
+            raise ValueError("verify needs at least one token per row")
+        width = max(counts)
+        ids = torch.zeros(len(counts), width, dtype=torch.int64)
+        for i, tokens in enumerate(token_lists):
+            self.check_token_ids(tokens)
+            ids[i, :len(tokens)] = torch.as_tensor(tokens)
+        flat = [i * width + j for i, n in enumerate(counts) for j in range(n)]
+        index = torch.tensor(flat, device=self.device)
+        out = self.model(
+            ids.to(self.device),
+            self._device_tensor(start_positions, torch.int32),
+            torch.tensor(counts, dtype=torch.int32, device=self.device),
+            self._device_tensor(slots, torch.int32),
+            self.cache,
+            logits_index=index,
+            aux_layers=self.aux_layers,
+        )
+        aux = out.aux_hidden.flatten(0, 1)[index] if out.aux_hidden is not None else None
+        return StepOutput(out.logits, out.hidden.flatten(0, 1)[index], aux)
+
+    def _device_tensor(self, values: Sequence[int] | torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        if isinstance(values, torch.Tensor):
+            return values.to(device=self.device, dtype=dtype)
+        return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
+
+    # ------------------------------------------------------------------------------------------ generate
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams]
+    ) -> list[GenerationResult]:
+        """Target-only decoding with continuous batching: waiting requests are prefilled as soon as slots
+        free up (prefill steps take priority), running ones decode together, finished ones leave."""
+        if self.tokenizer is None:
+            raise ValueError("this engine was built without a tokenizer; generate() needs one")
+        if len(prompts) != len(params):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        sequences = [self._new_sequence(list(p), sp) for p, sp in zip(prompts, params, strict=True)]
+        waiting, running = deque(sequences), []
+        try:
+            while waiting or running:
+                admitted = self._admit(waiting)
+                running += admitted
+                if admitted:
+                    batch = admitted
+                    out = self.prefill([(s.slot, s.prompt) for s in batch])
+                else:
+                    batch = running
+                    out = self.decode([s.slot for s in batch], [s.last_token for s in batch],
+                                      [s.length - 1 for s in batch])
+                for seq, token in zip(batch, self._sample(out.logits, batch), strict=True):
+                    seq.append(token)
+                for seq in [s for s in running if s.finish_reason]:
+                    self.free_slot(seq.slot)
+                    running.remove(seq)
+        finally:  # an error mid-way must not leak the slots of unfinished requests
+            for seq in running:
+                self.free_slot(seq.slot)
+        return [s.result() for s in sequences]
+
+    def _new_sequence(self, prompt: list[int], params: SamplingParams) -> _Sequence:
+        params.validate(self.config.vocab_size, self.max_context)
+        if not prompt:
+            raise ValueError("prompt is empty")
+        self.check_token_ids(prompt)
+        if len(prompt) + params.max_tokens > self.max_context:
+            raise ValueError(
+                f"prompt of {len(prompt)} tokens + max_tokens={params.max_tokens} exceeds the context "
+                f"length {self.max_context}"
+            )
+        seed = params.seed if params.seed is not None else secrets.randbits(63)
+        eos = () if params.ignore_eos else self.tokenizer.eos_token_ids
+        return _Sequence(prompt, params, seed, eos, IncrementalDetokenizer(self.tokenizer, params.stop))
+
+    def _admit(self, waiting: deque[_Sequence]) -> list[_Sequence]:
+        """Take waiting sequences while slots are free and the prefill budget lasts (at least one)."""
+        admitted, budget = [], self.max_prefill_tokens
+        while waiting and self._free_slots and (not admitted or len(waiting[0].prompt) <= budget):
+            seq = waiting.popleft()
+            seq.slot = self.allocate_slot()
+            seq.started = time.perf_counter()
+            budget -= len(seq.prompt)
+            admitted.append(seq)
+        return admitted
+
+    def _sample(self, logits: torch.Tensor, batch: Sequence[_Sequence]) -> list[int]:
+        """One token per row, through the rejection sampler with no drafts; randomness from (seed,
+        absolute position of the sampled token), so a seeded request repeats whatever its batch."""
+        out = rejection_sample(  # per-request columns on the CPU: the sampler validates them there
+            logits,
+            torch.empty(0, dtype=torch.int64, device=self.device),
+            torch.zeros(len(batch), dtype=torch.int32),
+            None,
+            torch.tensor([s.params.temperature for s in batch], dtype=torch.float32),
+            torch.tensor([s.params.top_k for s in batch], dtype=torch.int32),
+            torch.tensor([s.params.top_p for s in batch], dtype=torch.float32),
+            torch.tensor([s.seed for s in batch], dtype=torch.int64),
+            torch.tensor([s.length for s in batch], dtype=torch.int64),
+        )
+        return out.tokens[:, 0].tolist()
+
+
+class _Sequence:
+    """One request inside generate(): its tokens, slot, detokenized text and finish state."""
+
+    def __init__(
+        self, prompt: list[int], params: SamplingParams, seed: int, eos_ids: Sequence[int],
+        detokenizer: IncrementalDetokenizer,
+    ):
+        self.prompt, self.params, self.seed, self.eos_ids = prompt, params, seed, set(eos_ids)
+        self.detokenizer = detokenizer
+        self.output: list[int] = []
+        self.slot = -1
+        self.started = 0.0
+        self.seconds = 0.0
+        self.finish_reason: str | None = None
+
+    @property
+    def length(self) -> int:
+        return len(self.prompt) + len(self.output)
+
+    @property
+    def last_token(self) -> int:
+        return self.output[-1]
+
+    def append(self, token: int) -> None:
+        self.output.append(token)
+        self.detokenizer.push([token])
+        if token in self.eos_ids or self.detokenizer.stopped:
+            self.finish_reason = "stop"
+        elif len(self.output) >= self.params.max_tokens:
+            self.finish_reason = "length"
+        if self.finish_reason:
+            self.detokenizer.flush()  # the text held back in case it grew into a stop string
+            self.seconds = time.perf_counter() - self.started
+
+    def result(self) -> GenerationResult:
+        n, seconds = len(self.output), self.seconds
+        stats = {"tokens": n, "seconds": seconds, "tokens_per_s": n / seconds if seconds else 0.0}
+        return GenerationResult(self.output, self.detokenizer.text, self.finish_reason, stats)
