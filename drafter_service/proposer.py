@@ -22,6 +22,7 @@ from specwire.drafter.draft_sampling import sample_drafts
 from specwire.drafter.eagle_head import EagleHead
 from specwire.kernels.rejection_sampler import DraftProbs
 
+from specwire.engine import on_own_device
 from specwire.model import KVCache
 
 
@@ -98,6 +99,7 @@ class EagleProposer:
 
     # ------------------------------------------------------------------------------------ requests
 
+    @on_own_device
     def add(self, request_id: str, token_ids: list[int], features: torch.Tensor) -> None:
         """A new request: its tokens so far (prompt + first sampled token) and the target features of all
         but the last token ([len(token_ids) - 1, feature_dim])."""
@@ -112,6 +114,7 @@ class EagleProposer:
         self.requests[request_id] = request
         self._free_slots.pop()
 
+    @on_own_device
     def update(self, request_id: str, accepted_token_ids: list[int], features: torch.Tensor) -> None:
         """After verification: the request's new tokens and the target features of the positions before
         each of them (the verified [last token, accepted drafts]): one feature per new token."""
@@ -144,6 +147,7 @@ class EagleProposer:
     # ------------------------------------------------------------------------------------ propose
 
     @torch.no_grad()
+    @on_own_device
     def propose(
         self,
         request_ids: list[str],
@@ -278,6 +282,7 @@ class EagleProposer:
             ]
             position = position + 1
 
+    @on_own_device
     def _capture(self) -> None:
         """One graph per (padded batch size, sampling mode); all share one memory pool."""
         pool = None

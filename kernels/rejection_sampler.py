@@ -99,9 +99,12 @@ def rejection_sample(
     """
     batch = prepare_batch(target_logits, draft_token_ids, num_drafts, draft_probs, temperature, top_k, top_p,
                           seed, positions, synthetic_acceptance)
-    if _pick_backend(backend, target_logits):
-        return sample_triton(batch)
-    return sample_ref(batch)
+    if not _pick_backend(backend, target_logits):
+        return sample_ref(batch)
+    if target_logits.is_cuda:
+        with torch.cuda.device(target_logits.device):  # Triton launches on the *current* device
+            return sample_triton(batch)
+    return sample_triton(batch)  # the Triton interpreter, on CPU tensors
 
 
 def prepare_batch(

@@ -3,10 +3,12 @@ on, CUDA graphs for the decode step, and target-only `generate()` with continuou
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import secrets
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -40,6 +42,23 @@ def parse_device(name: str | torch.device) -> torch.device:
     if device.type not in ("cpu", "cuda"):
         raise ValueError(f"unsupported device {str(name)!r} (cpu or cuda)")
     return device
+
+
+def device_scope(device: torch.device) -> contextlib.AbstractContextManager:
+    """Make `device` current: Triton launches and CUDA-graph capture use the current device, not the
+    tensors' one, so a model on cuda:1 would otherwise launch on (or capture from) cuda:0."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def on_own_device(method: Callable) -> Callable:
+    """Run a method of an object with a `.device` inside device_scope(self.device)."""
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        with device_scope(self.device):
+            return method(self, *args, **kwargs)
+
+    return wrapper
 
 
 def default_dtype(device: torch.device) -> torch.dtype:
@@ -102,16 +121,17 @@ class DecodeGraphs:
             return model(self.input_ids[:size], self.start_pos[:size], self.num_tokens[:size],
                          self.slots[:size], cache, aux_layers=aux_layers)
 
-        step(n)  # warm-up outside capture: compiles the Triton kernels; all rows are padding
-        torch.cuda.synchronize()
-        pool = None
-        for size in reversed(self.sizes):  # largest first, so smaller graphs reuse its pool memory
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.outputs[size] = step(size)
-            pool = graph.pool()
-            self.graphs[size] = graph
-        torch.cuda.synchronize()
+        with device_scope(device):
+            step(n)  # warm-up outside capture: compiles the Triton kernels; all rows are padding
+            torch.cuda.synchronize()
+            pool = None
+            for size in reversed(self.sizes):  # largest first, so smaller graphs reuse its pool memory
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self.outputs[size] = step(size)
+                pool = graph.pool()
+                self.graphs[size] = graph
+            torch.cuda.synchronize()
 
     def prepare(self, slots: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor) -> int:
         """Copy one batch into the static buffers (pad rows -> trash slot); returns the graph size."""
@@ -211,6 +231,7 @@ class TargetEngine:
         if bad := [t for t in token_ids if not 0 <= t < vocab]:
             raise ValueError(f"token id {bad[0]} out of range [0, {vocab})")
 
+    @on_own_device
     def prefill(self, requests: Sequence[tuple[int, Sequence[int]]]) -> StepOutput:
         """Feed whole prompts [(slot, token ids)] from position 0 in padded batches, chunked so that no
         forward holds more than max_prefill_tokens grid cells. logits: [len(requests), V] at each last
@@ -257,6 +278,7 @@ class TargetEngine:
             torch.cat([a for pieces in aux for a in pieces]) if self.aux_layers else None,
         )
 
+    @on_own_device
     def decode(
         self, slots: Sequence[int] | torch.Tensor, last_tokens: Sequence[int] | torch.Tensor,
         positions: Sequence[int] | torch.Tensor,
@@ -276,6 +298,7 @@ class TargetEngine:
         aux = out.aux_hidden[:b, 0].clone() if out.aux_hidden is not None else None
         return StepOutput(out.logits[:b].clone(), out.hidden[:b, 0].clone(), aux)
 
+    @on_own_device
     def verify(
         self, slots: Sequence[int], token_lists: Sequence[Sequence[int]], start_positions: Sequence[int]
     ) -> StepOutput:
