@@ -1,5 +1,5 @@
 """The target engine: model + KV cache + slots, the step API (prefill / decode / verify) the verifier builds
-on, CUDA graphs for the decode step, and target-only `generate()` with continuous batching."""
+on, CUDA graphs for the decode and verify steps, and target-only `generate()` with continuous batching."""
 
 from __future__ import annotations
 
@@ -99,18 +99,23 @@ def capture_sizes(max_batch: int) -> list[int]:
     return [*sizes, max_batch]
 
 
-class DecodeGraphs:
-    """CUDA graphs of the T = 1 step, one per batch size, sharing static input buffers and a memory pool.
+class StepGraphs:
+    """CUDA graphs of a step feeding up to `width` tokens per row (1: decode; 1 + k: verify), one per batch
+    size, sharing static input buffers and a memory pool.
 
-    A batch is padded to the next captured size; pad rows feed 0 tokens at position 0 of the trash slot,
-    rewritten before every replay so no stale metadata reaches the kernels.
+    A batch is padded to the next captured size and each row to `width` tokens; pad rows feed 0 tokens at
+    position 0 of the trash slot, rewritten before every replay so no stale metadata reaches the kernels.
+    Logits come out for every (row, token) of the grid; callers pick the live ones.
     """
 
-    def __init__(self, model: LlamaModel, cache: KVCache, aux_layers: tuple[int, ...], max_batch: int):
-        self.sizes = capture_sizes(max_batch)
+    def __init__(
+        self, model: LlamaModel, cache: KVCache, aux_layers: tuple[int, ...], max_batch: int, width: int,
+        pool=None,
+    ):
+        self.sizes, self.width = capture_sizes(max_batch), width
         self.trash = cache.trash_slot
         device, n = model.device, self.sizes[-1]
-        self.input_ids = torch.zeros(n, 1, dtype=torch.int64, device=device)
+        self.input_ids = torch.zeros(n, width, dtype=torch.int64, device=device)
         self.start_pos = torch.zeros(n, dtype=torch.int32, device=device)
         self.num_tokens = torch.zeros(n, dtype=torch.int32, device=device)
         self.slots = torch.full((n,), self.trash, dtype=torch.int32, device=device)
@@ -124,7 +129,6 @@ class DecodeGraphs:
         with device_scope(device):
             step(n)  # warm-up outside capture: compiles the Triton kernels; all rows are padding
             torch.cuda.synchronize()
-            pool = None
             for size in reversed(self.sizes):  # largest first, so smaller graphs reuse its pool memory
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
@@ -132,22 +136,27 @@ class DecodeGraphs:
                 pool = graph.pool()
                 self.graphs[size] = graph
             torch.cuda.synchronize()
+        self.pool = pool
 
-    def prepare(self, slots: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor) -> int:
-        """Copy one batch into the static buffers (pad rows -> trash slot); returns the graph size."""
-        b = slots.shape[0]
+    def fits(self, batch: int, width: int) -> bool:
+        return batch <= self.sizes[-1] and width <= self.width
+
+    def run(
+        self, slots: torch.Tensor, tokens: torch.Tensor, num_tokens: torch.Tensor, positions: torch.Tensor
+    ) -> ModelOutput:
+        """tokens [b, <= width] (row b's first num_tokens[b] are live). Copies the batch into the static
+        buffers, pads (pad rows -> trash slot), replays and returns the graph's output buffers."""
+        b, w = tokens.shape
         size = next(s for s in self.sizes if s >= b)
-        self.input_ids[:b, 0].copy_(tokens)
+        self.input_ids[:b, :w].copy_(tokens)
+        self.input_ids[:b, w:].zero_()
         self.start_pos[:b].copy_(positions)
         self.slots[:b].copy_(slots)
-        self.num_tokens[:b].fill_(1)
+        self.num_tokens[:b].copy_(num_tokens)
         self.input_ids[b:size].zero_()
         self.start_pos[b:size].zero_()
         self.num_tokens[b:size].zero_()
         self.slots[b:size].fill_(self.trash)
-        return size
-
-    def replay(self, size: int) -> ModelOutput:
         self.graphs[size].replay()
         return self.outputs[size]
 
@@ -169,9 +178,11 @@ class TargetEngine:
         cuda_graphs: bool = True,
         aux_layers: tuple[int, ...] = (),
         max_prefill_tokens: int = 8192,
+        max_verify_tokens: int = 1,
         checkpoint: tuple[ModelConfig, dict[str, torch.Tensor]] | None = None,
     ):
         """max_context: cache positions per slot (default min(2048, max_position_embeddings)).
+        max_verify_tokens: 1 + k, the widest verify row captured in CUDA graphs (1: decode graphs only).
         checkpoint=(config, state_dict) uses those weights instead of loading model_path (synthetic
         benchmark models); such an engine has no tokenizer and offers the step API only."""
         self.device = parse_device(device) if device is not None else default_device()
@@ -205,8 +216,13 @@ class TargetEngine:
         self.cache = KVCache.allocate(config, max_slots, max_context, self.dtype, self.device)
         self.max_slots = max_slots
         self._free_slots = list(range(max_slots - 1, -1, -1))  # pop() hands out slot 0 first
-        use_graphs = cuda_graphs and self.device.type == "cuda"
-        self.graphs = DecodeGraphs(self.model, self.cache, self.aux_layers, max_slots) if use_graphs else None
+        self.graphs: list[StepGraphs] = []  # narrowest first: a step replays the first that fits
+        if cuda_graphs and self.device.type == "cuda":
+            pool = None
+            for width in sorted({1, max_verify_tokens}):
+                graphs = StepGraphs(self.model, self.cache, self.aux_layers, max_slots, width, pool)
+                self.graphs.append(graphs)
+                pool = graphs.pool
 
     # ------------------------------------------------------------------------------------------ slots
 
@@ -289,12 +305,8 @@ class TargetEngine:
         tokens_t = self._device_tensor(last_tokens, torch.int64)
         positions_t = self._device_tensor(positions, torch.int32)
         b = slots_t.shape[0]
-        if self.graphs is not None and b <= self.graphs.sizes[-1]:
-            out = self.graphs.replay(self.graphs.prepare(slots_t, tokens_t, positions_t))
-        else:
-            ones = torch.ones(b, dtype=torch.int32, device=self.device)
-            out = self.model(tokens_t[:, None], positions_t, ones, slots_t, self.cache,
-                             aux_layers=self.aux_layers)
+        ones = torch.ones(b, dtype=torch.int32, device=self.device)
+        out = self._step(slots_t, tokens_t[:, None], ones, positions_t)
         aux = out.aux_hidden[:b, 0].clone() if out.aux_hidden is not None else None
         return StepOutput(out.logits[:b].clone(), out.hidden[:b, 0].clone(), aux)
 
@@ -312,19 +324,28 @@ class TargetEngine:
         for i, tokens in enumerate(token_lists):
             self.check_token_ids(tokens)
             ids[i, :len(tokens)] = torch.as_tensor(tokens)
-        flat = [i * width + j for i, n in enumerate(counts) for j in range(n)]
-        index = torch.tensor(flat, device=self.device)
-        out = self.model(
-            ids.to(self.device),
-            self._device_tensor(start_positions, torch.int32),
-            torch.tensor(counts, dtype=torch.int32, device=self.device),
+        out = self._step(
             self._device_tensor(slots, torch.int32),
-            self.cache,
-            logits_index=index,
-            aux_layers=self.aux_layers,
+            ids.to(self.device),
+            torch.tensor(counts, dtype=torch.int32).to(self.device),
+            self._device_tensor(start_positions, torch.int32),
         )
+        # Graph outputs have the captured grid's row stride; eager ones the batch's own.
+        stride = out.hidden.shape[1]
+        flat = [i * stride + j for i, n in enumerate(counts) for j in range(n)]
+        index = torch.tensor(flat, device=self.device)
         aux = out.aux_hidden.flatten(0, 1)[index] if out.aux_hidden is not None else None
-        return StepOutput(out.logits, out.hidden.flatten(0, 1)[index], aux)
+        return StepOutput(out.logits[index], out.hidden.flatten(0, 1)[index], aux)
+
+    def _step(
+        self, slots: torch.Tensor, tokens: torch.Tensor, num_tokens: torch.Tensor, positions: torch.Tensor
+    ) -> ModelOutput:
+        """One decode/verify step: replays the narrowest CUDA graph that fits, else runs eagerly."""
+        b, width = tokens.shape
+        for graphs in self.graphs:
+            if graphs.fits(b, width):
+                return graphs.run(slots, tokens, num_tokens, positions)
+        return self.model(tokens, positions, num_tokens, slots, self.cache, aux_layers=self.aux_layers)
 
     def _device_tensor(self, values: Sequence[int] | torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         if isinstance(values, torch.Tensor):

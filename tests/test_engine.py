@@ -178,27 +178,35 @@ def test_eos_stops_unless_ignored(engine):
 
 @pytest.mark.gpu
 @gpu
-def test_cuda_graph_decode_matches_eager():
-    """Graph replay (3 rows padded to 4) equals the eager step, and pad rows touch only the trash slot."""
+@pytest.mark.parametrize("step", ["decode", "verify"])
+def test_cuda_graph_step_matches_eager(step):
+    """Graph replay (3 rows padded to 4; verify rows of 5, 2 and 3 tokens padded to width 5) equals the
+    eager step, and pad rows and pad tokens touch only the trash slot."""
     engine = TargetEngine(device="cuda", dtype=torch.float32, max_slots=8, max_context=64,
-                          aux_layers=(1,), checkpoint=tiny_checkpoint())
-    assert engine.graphs is not None and engine.graphs.sizes == [1, 2, 4, 8]
+                          aux_layers=(1,), max_verify_tokens=5, checkpoint=tiny_checkpoint())
+    assert [(g.width, g.sizes) for g in engine.graphs] == [(1, [1, 2, 4, 8]), (5, [1, 2, 4, 8])]
     gen = torch.Generator().manual_seed(2)
     prompts = [torch.randint(512, (n,), generator=gen).tolist() for n in (5, 17, 9)]
     slots = [3, 0, 6]
     engine.prefill(list(zip(slots, prompts, strict=True)))
-    tokens = [11, 22, 33]
     positions = [len(p) for p in prompts]
+    if step == "decode":
+        fed = [[11], [22], [33]]
+        run = lambda: engine.decode(slots, [t[0] for t in fed], positions)  # noqa: E731
+    else:
+        fed = [[11, 12, 13, 14, 15], [22, 23], [33, 34, 35]]
+        run = lambda: engine.verify(slots, fed, positions)  # noqa: E731
     before = (engine.cache.k.clone(), engine.cache.v.clone())
 
-    graph = engine.decode(slots, tokens, positions)
+    graph = run()
     after_graph = (engine.cache.k.clone(), engine.cache.v.clone())
     engine.cache.k.copy_(before[0])
     engine.cache.v.copy_(before[1])
-    graphs, engine.graphs = engine.graphs, None
-    eager = engine.decode(slots, tokens, positions)
+    graphs, engine.graphs = engine.graphs, []
+    eager = run()
     engine.graphs = graphs
 
+    assert graph.logits.shape[0] == sum(len(t) for t in fed)
     assert close(graph.logits, eager.logits, 1e-5) and close(graph.hidden, eager.hidden, 1e-5)
     assert close(graph.aux_hidden, eager.aux_hidden, 1e-5)
     live = slice(0, engine.max_slots)  # everything but the trash slot
@@ -207,9 +215,10 @@ def test_cuda_graph_decode_matches_eager():
     assert torch.equal(after_graph[0][:, untouched], before[0][:, untouched])
     assert torch.equal(after_graph[1][:, untouched], before[1][:, untouched])
 
-    # The static graph outputs are overwritten by the next replay; what decode returned is not.
+    # The static graph outputs are overwritten by the next replay; what the step returned is not.
     kept = graph.logits.clone()
     engine.decode([5], [7], [0])
+    engine.verify([5], [[7, 8, 9]], [1])
     assert torch.equal(graph.logits, kept)
 
 

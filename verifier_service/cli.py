@@ -7,6 +7,7 @@ import asyncio
 import logging
 
 from specwire import grpc_common
+from specwire.config import default_aux_layers
 
 log = logging.getLogger("specwire.verifier")
 
@@ -50,8 +51,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def parse_aux_layers(text: str, num_layers: int) -> tuple[int, ...]:
     if text == "none":
         return ()
-    if text == "eagle3":  # the taps EAGLE-3 heads are trained on (SafeAILab EAGLE, vLLM)
-        return (2, num_layers // 2, num_layers - 3)
+    if text == "eagle3":
+        return default_aux_layers(num_layers)
     try:
         layers = tuple(int(x) for x in text.split(","))
     except ValueError:
@@ -74,7 +75,7 @@ def load_engine(args: argparse.Namespace):
     aux = parse_aux_layers(args.aux_layers, config.num_layers) if args.drafter and args.k > 0 else ()
     engine = TargetEngine(device=args.device, dtype=args.dtype, max_slots=args.max_slots,
                           max_context=args.max_context, cuda_graphs=not args.no_cuda_graphs, aux_layers=aux,
-                          checkpoint=(config, state_dict))
+                          max_verify_tokens=args.k + 1, checkpoint=(config, state_dict))
     return engine, load_tokenizer(path), path.name
 
 

@@ -108,6 +108,7 @@ def build_local(
         cuda_graphs=cuda_graphs,
         checkpoint=(config, state_dict),
         aux_layers=head_aux_layers(head_path, config),
+        max_verify_tokens=k + 1,
     )
     del state_dict
     engine.tokenizer = load_tokenizer(path)
