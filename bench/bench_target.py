@@ -147,13 +147,14 @@ def weight_bytes(engine: TargetEngine) -> int:
 def step_times(engine: TargetEngine, batches: list[int], context: int, repeats: int) -> dict[int, dict]:
     """CUDA-event timed decode steps at each batch size, every row at position `context`: graph replay
     alone, and an eager forward on the same inputs."""
-    graphs = engine.graphs
+    graphs = engine.graphs_for(max(batches), 1)
     results = {}
     for batch in batches:
         slots = torch.arange(batch, dtype=torch.int32, device=engine.device)
         tokens = torch.randint(engine.config.vocab_size, (batch,), device=engine.device)
         positions = torch.full((batch,), context, dtype=torch.int32, device=engine.device)
-        size = graphs.prepare(slots, tokens, positions)
+        ones = torch.ones(batch, dtype=torch.int32, device=engine.device)
+        size = graphs.prepare(slots, tokens[:, None], ones, positions)
 
         def eager(size: int = size) -> None:
             engine.model(graphs.input_ids[:size], graphs.start_pos[:size], graphs.num_tokens[:size],

@@ -141,11 +141,11 @@ class StepGraphs:
     def fits(self, batch: int, width: int) -> bool:
         return batch <= self.sizes[-1] and width <= self.width
 
-    def run(
+    def prepare(
         self, slots: torch.Tensor, tokens: torch.Tensor, num_tokens: torch.Tensor, positions: torch.Tensor
-    ) -> ModelOutput:
-        """tokens [b, <= width] (row b's first num_tokens[b] are live). Copies the batch into the static
-        buffers, pads (pad rows -> trash slot), replays and returns the graph's output buffers."""
+    ) -> int:
+        """tokens [b, <= width] (row b's first num_tokens[b] are live): copy the batch into the static
+        buffers and pad (pad rows -> trash slot); returns the graph size to replay."""
         b, w = tokens.shape
         size = next(s for s in self.sizes if s >= b)
         self.input_ids[:b, :w].copy_(tokens)
@@ -157,6 +157,10 @@ class StepGraphs:
         self.start_pos[b:size].zero_()
         self.num_tokens[b:size].zero_()
         self.slots[b:size].fill_(self.trash)
+        return size
+
+    def replay(self, size: int) -> ModelOutput:
+        """Replay; the returned output buffers are overwritten by the next replay."""
         self.graphs[size].replay()
         return self.outputs[size]
 
@@ -341,11 +345,14 @@ class TargetEngine:
         self, slots: torch.Tensor, tokens: torch.Tensor, num_tokens: torch.Tensor, positions: torch.Tensor
     ) -> ModelOutput:
         """One decode/verify step: replays the narrowest CUDA graph that fits, else runs eagerly."""
-        b, width = tokens.shape
-        for graphs in self.graphs:
-            if graphs.fits(b, width):
-                return graphs.run(slots, tokens, num_tokens, positions)
+        graphs = self.graphs_for(*tokens.shape)
+        if graphs is not None:
+            return graphs.replay(graphs.prepare(slots, tokens, num_tokens, positions))
         return self.model(tokens, positions, num_tokens, slots, self.cache, aux_layers=self.aux_layers)
+
+    def graphs_for(self, batch: int, width: int) -> StepGraphs | None:
+        """The narrowest captured graph set that fits a step of batch x width tokens; None: eager."""
+        return next((g for g in self.graphs if g.fits(batch, width)), None)
 
     def _device_tensor(self, values: Sequence[int] | torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         if isinstance(values, torch.Tensor):

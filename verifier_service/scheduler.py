@@ -391,11 +391,11 @@ class Scheduler:
         if any(batch.num_drafts):
             rows = [[r.tokens[-1], *d] for r, d in zip(live, batch.token_ids, strict=True)]
             out = self.engine.verify(slots, rows, starts)
-            mode = "eager"
+            width = max(len(row) for row in rows)
         else:
             out = self.engine.decode(slots, [r.tokens[-1] for r in live], starts)
-            graphs = self.engine.graphs
-            mode = "cuda_graph" if graphs is not None and len(live) <= graphs.sizes[-1] else "eager"
+            width = 1
+        mode = "eager" if self.engine.graphs_for(len(live), width) is None else "cuda_graph"
         self.metrics.forward_steps.labels(mode=mode).inc()
         tokens = self._sample(out.logits, live, batch)
         features = None
