@@ -1,7 +1,8 @@
 // A specwire client built from proto/specwire/v1/generation.proto alone (no generated code, another gRPC
 // stack): proof that any language can call Generate. Prints one JSON object:
 //   {"text", "token_ids", "finish_reason", "usage", "request_id", "model_info"}
-// Usage: node generate_client.js --server HOST:PORT --prompt TEXT [--max-tokens N] [--chat] [--token T]
+// Usage: node generate_client.js --server HOST:PORT --prompt TEXT [--max-tokens N] [--top-p P] [--chat]
+//        [--token T]
 "use strict";
 const path = require("path");
 const { parseArgs } = require("util");
@@ -13,12 +14,14 @@ const { values: args } = parseArgs({
     server: { type: "string" },
     prompt: { type: "string" },
     "max-tokens": { type: "string" },
+    "top-p": { type: "string" },
     chat: { type: "boolean", default: false },
     token: { type: "string" },
   },
 });
 if (!args.server || args.prompt === undefined) {
-  console.error("usage: node generate_client.js --server HOST:PORT --prompt TEXT [--max-tokens N] [--chat]");
+  console.error("usage: node generate_client.js --server HOST:PORT --prompt TEXT [--max-tokens N] [--top-p P] "
+    + "[--chat] [--token T]");
   process.exit(2);
 }
 
@@ -33,6 +36,7 @@ if (args.token) metadata.set("authorization", `Bearer ${args.token}`);
 
 const sampling = { temperature: 0 };
 if (args["max-tokens"] !== undefined) sampling.max_tokens = Number(args["max-tokens"]);
+if (args["top-p"] !== undefined) sampling.top_p = Number(args["top-p"]);
 const request = { request_id: `node-${process.pid}`, text: args.prompt, chat: args.chat, sampling };
 
 const result = { text: "", token_ids: [], finish_reason: null, usage: null, request_id: null };
