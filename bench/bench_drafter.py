@@ -12,11 +12,10 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import torch
-from specwire.drafter.eagle_head import EagleHead, EagleHeadConfig, default_aux_layers
+from specwire.drafter.eagle_head import EagleHead, EagleHeadConfig
 from specwire.drafter.proposer import EagleProposer
 
 from specwire.config import ModelConfig
@@ -58,15 +57,7 @@ def target_config(shape: str) -> ModelConfig:
 
 
 def random_head(config: ModelConfig, arch: str, device: str) -> EagleHead:
-    head_config = EagleHeadConfig(
-        arch=arch,
-        layer=replace(config, num_layers=1),
-        target_hidden_size=config.hidden_size,
-        target_vocab_size=config.vocab_size,
-        fc_bias=arch == "eagle1",
-        aux_layers=default_aux_layers(config.num_layers) if arch == "eagle3" else (),
-        draft_vocab_size=min(32000, config.vocab_size) if arch == "eagle3" else 0,
-    )
+    head_config = EagleHeadConfig.for_target(config, arch, draft_vocab_size=32000)
     embed = torch.randn(config.vocab_size, config.hidden_size, dtype=torch.bfloat16, device=device) * 0.02
     head = EagleHead(head_config, {"model.embed_tokens.weight": embed}, torch.bfloat16, device, 4096)
     head.init_weights()

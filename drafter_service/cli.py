@@ -17,13 +17,9 @@ log = logging.getLogger("specwire.drafter")
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     env = grpc_common.env_default
     grpc_common.add_server_arguments(parser, default_listen="0.0.0.0:50052")
-    parser.add_argument("--model", default=env("SPECWIRE_MODEL", None),
-                        help="the target model: GGUF file or Hugging Face directory (default: SmolLM2)")
+    grpc_common.add_model_arguments(parser, dtype_of="head weights and cache")
     parser.add_argument("--head", default=env("SPECWIRE_HEAD", None),
                         help=f"EAGLE head directory (default: the shipped {DEFAULT_HEAD.name})")
-    parser.add_argument("--device", default=env("SPECWIRE_DEVICE", None), help="cpu or cuda[:N]")
-    parser.add_argument("--dtype", default=env("SPECWIRE_DTYPE", None), choices=["bf16", "fp16", "fp32"],
-                        help="head weights and cache (default: bf16 on CUDA, fp32 on CPU)")
     parser.add_argument("--max-requests", type=int, default=env("SPECWIRE_MAX_REQUESTS", 64),
                         help="requests held at once, over all verifiers (default 64)")
     parser.add_argument("--max-drafts", type=int, default=env("SPECWIRE_MAX_DRAFTS", 8),

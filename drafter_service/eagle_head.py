@@ -27,9 +27,10 @@ from safetensors.torch import load_file, save_file
 from specwire.kernels import ops
 from torch import nn
 
-from specwire.config import ModelConfig
+from specwire.config import ModelConfig, default_aux_layers
 from specwire.errors import ModelLoadError
 from specwire.model import DecoderLayer, LlamaModel, rope_cos_sin
+from specwire.weights import check_tensors
 
 Arch = Literal["eagle1", "eagle3"]
 # The head shipped for the default model (trained by `specwire train-eagle`).
@@ -48,15 +49,25 @@ class EagleHeadConfig:
     aux_layers: tuple[int, ...] = ()  # EAGLE-3: target layers whose input residual stream is tapped
     draft_vocab_size: int = 0  # EAGLE-3 only
 
+    @classmethod
+    def for_target(cls, target: ModelConfig, arch: Arch, draft_vocab_size: int) -> EagleHeadConfig:
+        """A new head for `target`: its layer shapes, EAGLE-1's fc bias, EAGLE-3's default taps (and at
+        most `draft_vocab_size` draft tokens)."""
+        eagle3 = arch == "eagle3"
+        return cls(
+            arch=arch,
+            layer=replace(target, num_layers=1),
+            target_hidden_size=target.hidden_size,
+            target_vocab_size=target.vocab_size,
+            fc_bias=arch == "eagle1",
+            aux_layers=default_aux_layers(target.num_layers) if eagle3 else (),
+            draft_vocab_size=min(draft_vocab_size, target.vocab_size) if eagle3 else 0,
+        )
+
     @property
     def feature_dim(self) -> int:
         """Width of one target feature: the normed final hidden (EAGLE-1) or the aux taps (EAGLE-3)."""
         return self.target_hidden_size * (len(self.aux_layers) if self.arch == "eagle3" else 1)
-
-
-def default_aux_layers(num_layers: int) -> tuple[int, ...]:
-    """EAGLE-3's taps: low, middle and high layers (SafeAILab EAGLE, vLLM)."""
-    return (2, num_layers // 2, num_layers - 3)
 
 
 def shared_target_weights(model: LlamaModel) -> dict[str, torch.Tensor]:
@@ -217,20 +228,8 @@ class EagleHead(nn.Module):
     def load_published(self, sd: dict[str, torch.Tensor]) -> None:
         """Copy in tensors named as published_state_dict names them; checks names and shapes."""
         expected = {k: tuple(v.shape) for k, v in self.published_state_dict().items()}
-        names = {k for k in sd if not k.endswith(_IGNORED_KEYS) and not k.endswith("rotary_emb.inv_freq")}
-        if missing := sorted(expected.keys() - names):
-            raise ModelLoadError(
-                f"EAGLE head is missing tensor {missing[0]!r} ({len(missing)} missing in all)"
-            )
-        if unexpected := sorted(names - expected.keys()):
-            raise ModelLoadError(
-                f"EAGLE head has unexpected tensor {unexpected[0]!r} ({self.config.arch} format)"
-            )
-        for name, shape in expected.items():
-            if tuple(sd[name].shape) != shape:
-                raise ModelLoadError(
-                    f"EAGLE head tensor {name!r} has shape {tuple(sd[name].shape)}, expected {shape}"
-                )
+        kept = {k: v for k, v in sd.items() if not k.endswith((*_IGNORED_KEYS, "rotary_emb.inv_freq"))}
+        check_tensors(kept, expected, f"{self.config.arch} EAGLE head")
         layer, c = self.layer, self.config
         prefix = "layers.0." if c.arch == "eagle1" else "midlayer."
         attn = prefix + "self_attn."

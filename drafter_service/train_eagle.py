@@ -21,7 +21,6 @@ import platform
 import random
 import time
 from collections import Counter
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -29,13 +28,13 @@ import torch.nn.functional as F
 from specwire.drafter.eagle_head import (
     EagleHead,
     EagleHeadConfig,
-    default_aux_layers,
     save_eagle_head,
     shared_target_weights,
 )
 from specwire.drafter.self_distill import Sample, distill, load_seed_prompts, write_instructions
 from tqdm import tqdm
 
+from specwire.config import default_aux_layers
 from specwire.default_model import resolve_model_path
 from specwire.engine import TargetEngine, default_device, parse_device
 from specwire.model import KVCache
@@ -201,16 +200,7 @@ def _engine(args: argparse.Namespace) -> TargetEngine:
 
 def _new_head(args: argparse.Namespace, engine: TargetEngine, train: list[Sample]) -> EagleHead:
     target = engine.config
-    layer = replace(target, num_layers=1)
-    config = EagleHeadConfig(
-        arch=args.arch,
-        layer=layer,
-        target_hidden_size=target.hidden_size,
-        target_vocab_size=target.vocab_size,
-        fc_bias=args.arch == "eagle1",
-        aux_layers=engine.aux_layers,
-        draft_vocab_size=min(args.draft_vocab, target.vocab_size) if args.arch == "eagle3" else 0,
-    )
+    config = EagleHeadConfig.for_target(target, args.arch, args.draft_vocab)
     head = EagleHead(
         config, shared_target_weights(engine.model), torch.float32, engine.device, engine.max_context
     )

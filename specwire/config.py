@@ -85,6 +85,11 @@ class ModelConfig:
         )
 
 
+def default_aux_layers(num_layers: int) -> tuple[int, ...]:
+    """EAGLE-3's taps: low, middle and high layers (SafeAILab EAGLE, vLLM); the verifier taps them too."""
+    return (2, num_layers // 2, num_layers - 3)
+
+
 def _check_no_sliding_window(model_type: str, d: dict[str, Any], max_pos: int) -> None:
     window = d.get("sliding_window")
     active = window is not None and int(window) < max_pos

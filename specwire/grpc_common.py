@@ -71,6 +71,18 @@ def env_default(name: str, default: T) -> T:
         raise ValueError(f"{name}={raw!r} is not a valid {kind.__name__}") from None
 
 
+
+def add_model_arguments(parser: argparse.ArgumentParser, dtype_of: str) -> None:
+    """A service's --model, --device and --dtype (of `dtype_of`), each defaulting to its SPECWIRE_* env."""
+    env = env_default
+    parser.add_argument("--model", default=env("SPECWIRE_MODEL", None),
+                        help="the target model: GGUF file or Hugging Face directory "
+                             "(default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--device", default=env("SPECWIRE_DEVICE", None), help="cpu or cuda[:N]")
+    parser.add_argument("--dtype", default=env("SPECWIRE_DTYPE", None), choices=["bf16", "fp16", "fp32"],
+                        help=f"{dtype_of} (default: bf16 on CUDA, fp32 on CPU)")
+
+
 # ---------------------------------------------------------------- logging
 
 

@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 from specwire.config import ModelConfig
-from specwire.errors import ModelLoadError
 from specwire.kernels import ops
+from specwire.weights import check_tensors, checkpoint_shapes
 
 
 class KVCache:
@@ -161,49 +161,14 @@ class LlamaModel(nn.Module):
 
     def expected_shapes(self) -> dict[str, tuple[int, ...]]:
         """Hugging Face tensor name -> shape for this config."""
-        c = self.config
-        q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        shapes = {
-            "model.embed_tokens.weight": (c.vocab_size, c.hidden_size),
-            "model.norm.weight": (c.hidden_size,),
-        }
-        if not c.tie_word_embeddings:
-            shapes["lm_head.weight"] = (c.vocab_size, c.hidden_size)
-        for i in range(c.num_layers):
-            p = f"model.layers.{i}."
-            shapes |= {
-                p + "input_layernorm.weight": (c.hidden_size,),
-                p + "post_attention_layernorm.weight": (c.hidden_size,),
-                p + "self_attn.q_proj.weight": (q, c.hidden_size),
-                p + "self_attn.k_proj.weight": (kv, c.hidden_size),
-                p + "self_attn.v_proj.weight": (kv, c.hidden_size),
-                p + "self_attn.o_proj.weight": (c.hidden_size, q),
-                p + "mlp.gate_proj.weight": (c.intermediate_size, c.hidden_size),
-                p + "mlp.up_proj.weight": (c.intermediate_size, c.hidden_size),
-                p + "mlp.down_proj.weight": (c.hidden_size, c.intermediate_size),
-            }
-            if c.attention_bias:
-                shapes |= {
-                    p + "self_attn.q_proj.bias": (q,),
-                    p + "self_attn.k_proj.bias": (kv,),
-                    p + "self_attn.v_proj.bias": (kv,),
-                }
-        return shapes
+        return checkpoint_shapes(self.config)
 
     def _check_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
-        expected = self.expected_shapes()
         # Tolerated extras: old checkpoints store RoPE buffers; some tied checkpoints still store lm_head.
-        ignorable = {"lm_head.weight"} if self.config.tie_word_embeddings else set()
-        names = {n for n in state_dict if n not in ignorable and not n.endswith("rotary_emb.inv_freq")}
-        if missing := sorted(expected.keys() - names):
-            raise ModelLoadError(f"missing tensor {missing[0]!r} ({len(missing)} missing in all)")
-        if unexpected := sorted(names - expected.keys()):
-            raise ModelLoadError(f"unexpected tensor {unexpected[0]!r} ({len(unexpected)} unexpected in all)")
-        for name, shape in expected.items():
-            if tuple(state_dict[name].shape) != shape:
-                raise ModelLoadError(
-                    f"tensor {name!r} has shape {tuple(state_dict[name].shape)}, expected {shape}"
-                )
+        tied = self.config.tie_word_embeddings
+        kept = {n: t for n, t in state_dict.items()
+                if not n.endswith("rotary_emb.inv_freq") and not (tied and n == "lm_head.weight")}
+        check_tensors(kept, self.expected_shapes(), "checkpoint")
 
     @torch.no_grad()
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
@@ -39,18 +40,44 @@ _GGUF_LAYER_NAMES = {
 }
 
 
-def checkpoint_tensor_names(config: ModelConfig) -> list[str]:
-    """Every tensor name a checkpoint for `config` must provide."""
-    layer = ["input_layernorm.weight", "post_attention_layernorm.weight"]
-    layer += [f"self_attn.{p}_proj.weight" for p in "qkvo"]
-    layer += [f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")]
-    if config.attention_bias:
-        layer += [f"self_attn.{p}_proj.bias" for p in "qkv"]
-    names = ["model.embed_tokens.weight", "model.norm.weight"]
-    names += [f"model.layers.{i}.{n}" for i in range(config.num_layers) for n in layer]
+def checkpoint_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Hugging Face name -> shape of every tensor a checkpoint for `config` must provide."""
+    h, q, kv = config.hidden_size, config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    inter = config.intermediate_size
+    layer = {
+        "input_layernorm.weight": (h,),
+        "post_attention_layernorm.weight": (h,),
+        "self_attn.q_proj.weight": (q, h),
+        "self_attn.k_proj.weight": (kv, h),
+        "self_attn.v_proj.weight": (kv, h),
+        "self_attn.o_proj.weight": (h, q),
+        "mlp.gate_proj.weight": (inter, h),
+        "mlp.up_proj.weight": (inter, h),
+        "mlp.down_proj.weight": (h, inter),
+    }
+    if config.attention_bias:  # Qwen2: q/k/v carry a bias, o_proj does not
+        layer |= {f"self_attn.{p}_proj.bias": layer[f"self_attn.{p}_proj.weight"][:1] for p in "qkv"}
+    shapes = {"model.embed_tokens.weight": (config.vocab_size, h), "model.norm.weight": (h,)}
+    shapes |= {f"model.layers.{i}.{n}": s for i in range(config.num_layers) for n, s in layer.items()}
     if not config.tie_word_embeddings:
-        names.append("lm_head.weight")
-    return names
+        shapes["lm_head.weight"] = (config.vocab_size, h)
+    return shapes
+
+
+def check_tensors(
+    tensors: Mapping[str, torch.Tensor], expected: Mapping[str, tuple[int, ...]], what: str,
+    allow_extra: bool = False,
+) -> None:
+    """Raise ModelLoadError naming the first missing, unexpected (unless allowed) or misshapen tensor."""
+    if missing := sorted(expected.keys() - tensors.keys()):
+        raise ModelLoadError(f"{what} is missing tensor {missing[0]!r} ({len(missing)} missing in all)")
+    if not allow_extra and (unexpected := sorted(tensors.keys() - expected.keys())):
+        raise ModelLoadError(
+            f"{what} has unexpected tensor {unexpected[0]!r} ({len(unexpected)} unexpected in all)"
+        )
+    for name, shape in expected.items():
+        if (actual := tuple(tensors[name].shape)) != shape:
+            raise ModelLoadError(f"{what} tensor {name!r} has shape {actual}, expected {shape}")
 
 
 def load_checkpoint(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
@@ -59,36 +86,9 @@ def load_checkpoint(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tens
     if not path.exists():
         raise ModelLoadError(f"model path {str(path)!r} does not exist")
     config, tensors = _load_hf_dir(path) if path.is_dir() else _load_gguf(path)
-    wanted = checkpoint_tensor_names(config)
-    missing = [name for name in wanted if name not in tensors]
-    if missing:
-        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-        raise ModelLoadError(f"{path}: checkpoint is missing tensor {missing[0]}{more}")
-    for name in wanted:
-        expected = expected_shape(config, name)
-        if tuple(tensors[name].shape) != expected:
-            shape = tuple(tensors[name].shape)
-            raise ModelLoadError(f"{path}: tensor {name} has shape {shape}, expected {expected}")
-    return config, {name: tensors[name] for name in wanted}
-
-
-def expected_shape(config: ModelConfig, name: str) -> tuple[int, ...]:
-    """The HF shape of tensor `name` for `config`."""
-    h, q, kv = config.hidden_size, config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-    suffix = name.rsplit(".", 2)[-2:]
-    shapes = {
-        "embed_tokens": (config.vocab_size, h),
-        "lm_head": (config.vocab_size, h),
-        "q_proj": (q, h),
-        "k_proj": (kv, h),
-        "v_proj": (kv, h),
-        "o_proj": (h, q),
-        "gate_proj": (config.intermediate_size, h),
-        "up_proj": (config.intermediate_size, h),
-        "down_proj": (h, config.intermediate_size),
-    }
-    shape = shapes.get(suffix[0], (h,))  # the norms are [hidden]
-    return shape[:1] if suffix[1] == "bias" else shape
+    expected = checkpoint_shapes(config)
+    check_tensors(tensors, expected, f"{path}: checkpoint", allow_extra=True)
+    return config, {name: tensors[name] for name in expected}
 
 
 # ---- Hugging Face directories ----
@@ -102,7 +102,7 @@ def _load_hf_dir(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
         config = ModelConfig.from_hf_dict(json.loads(config_path.read_text()))
     except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
         raise ModelLoadError(f"{config_path}: cannot use this config ({_one_line(e)})") from e
-    wanted = set(checkpoint_tensor_names(config))
+    wanted = checkpoint_shapes(config)
     tensors = {}
     for file in _weight_files(path):
         for name, tensor in _read_weight_file(file).items():

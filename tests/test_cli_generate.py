@@ -1,7 +1,6 @@
 """`specwire generate` against transformers' greedy generate() on the same GGUF, and its one-line errors."""
 
 import json
-import os
 import subprocess
 import sys
 
@@ -40,28 +39,16 @@ def assert_one_line_error(rc: int, err: str, *fragments: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def hf():
-    """transformers' own GGUF loader, tokenizer and chat template: an independent reference."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    folder, name = os.path.split(default_model_path())
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
-    return model, tokenizer
-
-
-@pytest.fixture(scope="module")
-def hf_greedy(hf) -> list[tuple[list[int], list[int]]]:
+def hf_greedy(hf_model, hf_tokenizer) -> list[tuple[list[int], list[int]]]:
     """(prompt ids, greedy output ids) per prompt, as transformers computes them."""
-    model, tokenizer = hf
     results = []
     for prompt in PROMPTS:
-        text = tokenizer.apply_chat_template(
+        text = hf_tokenizer.apply_chat_template(
             [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
         )
-        ids = tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids
+        ids = hf_tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids
         with torch.no_grad():
-            out = model.generate(ids, max_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=2)
+            out = hf_model.generate(ids, max_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=2)
         results.append((ids[0].tolist(), out[0, ids.shape[1]:].tolist()))
     return results
 

@@ -1,11 +1,10 @@
 """`specwire bench --local` on a tiny random target: end to end; greedy output equals target-only output."""
 
 import json
-from dataclasses import replace
 
 import pytest
 import torch
-from specwire.drafter.eagle_head import EagleHead, EagleHeadConfig, default_aux_layers, save_eagle_head
+from specwire.drafter.eagle_head import EagleHead, EagleHeadConfig, save_eagle_head
 from test_drafter_train import write_tiny_target
 
 from specwire.cli import main
@@ -28,15 +27,7 @@ def setup(tmp_path_factory):
     config, sd = load_checkpoint(target)
     heads = {}
     for arch in ("eagle1", "eagle3"):
-        head_config = EagleHeadConfig(
-            arch=arch,
-            layer=replace(config, num_layers=1),
-            target_hidden_size=config.hidden_size,
-            target_vocab_size=config.vocab_size,
-            fc_bias=arch == "eagle1",
-            aux_layers=default_aux_layers(config.num_layers) if arch == "eagle3" else (),
-            draft_vocab_size=4096 if arch == "eagle3" else 0,
-        )
+        head_config = EagleHeadConfig.for_target(config, arch, draft_vocab_size=4096)
         head = EagleHead(head_config, sd, torch.float32, "cpu", 256)
         head.init_weights(seed=1)
         save_eagle_head(head, root / arch, dtype=torch.float32)

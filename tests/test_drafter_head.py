@@ -5,16 +5,12 @@ import json
 import pytest
 import torch
 from safetensors.torch import save_file
-from specwire.drafter.eagle_head import (
-    default_aux_layers,
-    load_eagle_head,
-    save_eagle_head,
-)
+from specwire.drafter.eagle_head import load_eagle_head, save_eagle_head
 from torch import nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
-from specwire.config import ModelConfig
+from specwire.config import ModelConfig, default_aux_layers
 from specwire.errors import ModelLoadError
 from specwire.model import KVCache, LlamaModel
 

@@ -3,7 +3,6 @@
 import pytest
 import torch
 from transformers import (
-    AutoModelForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
@@ -12,7 +11,7 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from specwire.config import ModelConfig
+from specwire.config import ModelConfig, default_aux_layers
 from specwire.default_model import default_model_path
 from specwire.errors import ModelLoadError
 from specwire.model import KVCache, LlamaModel
@@ -138,16 +137,13 @@ def test_other_dtypes_and_devices_close_to_transformers_fp32(case, device, dtype
 
 
 @pytest.mark.slow  # transformers dequantizes the 135M GGUF in about 20 s on 2 busy cores
-def test_default_gguf_matches_transformers():
-    pytest.importorskip("accelerate", reason="transformers needs accelerate to load a GGUF file")
-    path = default_model_path()
-    hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
-    model = load_ours(path, max_positions=64)
+def test_default_gguf_matches_transformers(hf_model):
+    model = load_ours(default_model_path(), max_positions=64)
     config = model.config
     assert config.tie_word_embeddings and config.num_layers == 30
     ids = torch.randint(0, config.vocab_size, (1, 24), generator=torch.Generator().manual_seed(3))
-    aux = (2, config.num_layers // 2, config.num_layers - 3)  # the EAGLE-3 taps
-    check_against(hf, model, ids, [0, 20, 24], aux, "smollm2_gguf")
+    check_against(hf_model, model, ids, [0, 20, 24], default_aux_layers(config.num_layers),
+                  "smollm2_gguf")
 
 
 def test_config_from_transformers_dicts():

@@ -7,7 +7,6 @@ from pathlib import Path
 
 import gguf
 import pytest
-from transformers import AutoTokenizer
 
 from specwire.default_model import default_model_path
 from specwire.errors import ModelLoadError
@@ -47,19 +46,13 @@ def ours() -> Tokenizer:
     return load_tokenizer(default_model_path())
 
 
-@pytest.fixture(scope="module")
-def ref():
-    path = default_model_path()
-    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-
-
 @pytest.mark.parametrize("text", TEXTS)
-def test_encode_decode_match_transformers(ours: Tokenizer, ref, text: str) -> None:
+def test_encode_decode_match_transformers(ours: Tokenizer, hf_tokenizer, text: str) -> None:
     ids = ours.encode(text)
-    assert ids == ref.encode(text, add_special_tokens=False)
-    assert ours.encode(text, add_special_tokens=True) == ref.encode(text, add_special_tokens=True)
+    assert ids == hf_tokenizer.encode(text, add_special_tokens=False)
+    assert ours.encode(text, add_special_tokens=True) == hf_tokenizer.encode(text, add_special_tokens=True)
     assert ours.decode(ids, skip_special_tokens=False) == text
-    assert ours.decode(ids) == ref.decode(ids, skip_special_tokens=True)
+    assert ours.decode(ids) == hf_tokenizer.decode(ids, skip_special_tokens=True)
 
 
 def test_digits_are_split_one_by_one(ours: Tokenizer) -> None:
@@ -69,18 +62,19 @@ def test_digits_are_split_one_by_one(ours: Tokenizer) -> None:
     assert pieces[-8:] == list("20241122")
 
 
-def test_decode_random_ids_matches_transformers(ours: Tokenizer, ref) -> None:
+def test_decode_random_ids_matches_transformers(ours: Tokenizer, hf_tokenizer) -> None:
     rng = random.Random(0)
     for _ in range(20):
         ids = [rng.randrange(ours.vocab_size) for _ in range(rng.randrange(1, 30))]
         for skip in (True, False):
-            assert ours.decode(ids, skip_special_tokens=skip) == ref.decode(ids, skip_special_tokens=skip)
+            expected = hf_tokenizer.decode(ids, skip_special_tokens=skip)
+            assert ours.decode(ids, skip_special_tokens=skip) == expected
 
 
-def test_special_ids_and_vocab(ours: Tokenizer, ref) -> None:
-    assert ours.vocab_size == len(ref) == 49152
-    assert ours.bos_token_id == ref.bos_token_id == 1
-    assert ours.eos_token_ids == (ref.eos_token_id,) == (2,)
+def test_special_ids_and_vocab(ours: Tokenizer, hf_tokenizer) -> None:
+    assert ours.vocab_size == len(hf_tokenizer) == 49152
+    assert ours.bos_token_id == hf_tokenizer.bos_token_id == 1
+    assert ours.eos_token_ids == (hf_tokenizer.eos_token_id,) == (2,)
     assert (
         len(ours.fingerprint) == 64 and ours.fingerprint == load_tokenizer(default_model_path()).fingerprint
     )
@@ -89,17 +83,17 @@ def test_special_ids_and_vocab(ours: Tokenizer, ref) -> None:
 @pytest.mark.parametrize("messages", CHATS)
 @pytest.mark.parametrize("add_generation_prompt", [True, False])
 def test_chat_template_matches_transformers(
-    ours: Tokenizer, ref, messages, add_generation_prompt: bool
+    ours: Tokenizer, hf_tokenizer, messages, add_generation_prompt: bool
 ) -> None:
     text = ours.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
-    assert text == ref.apply_chat_template(
+    assert text == hf_tokenizer.apply_chat_template(
         messages, tokenize=False, add_generation_prompt=add_generation_prompt
     )
-    assert ours.encode(text) == ref.encode(text, add_special_tokens=False)
+    assert ours.encode(text) == hf_tokenizer.encode(text, add_special_tokens=False)
 
 
-def test_hf_directory_tokenizer_equals_gguf_one(ours: Tokenizer, ref, tmp_path: Path) -> None:
-    ref.save_pretrained(tmp_path)
+def test_hf_directory_tokenizer_equals_gguf_one(ours: Tokenizer, hf_tokenizer, tmp_path: Path) -> None:
+    hf_tokenizer.save_pretrained(tmp_path)
     assert (tmp_path / "tokenizer.json").is_file()
     hf = load_tokenizer(tmp_path)
     assert hf.fingerprint == ours.fingerprint

@@ -371,7 +371,7 @@ def test_unsupported_gguf_tensor_type(tmp_path: Path) -> None:
 
 def test_gguf_missing_tensor(tmp_path: Path) -> None:
     path = write_gguf(tmp_path / "hole.gguf", tiny_llama(), skip=("model.layers.1.mlp.up_proj.weight",))
-    expect_error(path, "missing tensor model.layers.1.mlp.up_proj.weight")
+    expect_error(path, "missing tensor 'model.layers.1.mlp.up_proj.weight'")
 
 
 # ---- the default model ----

@@ -18,11 +18,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--drafter", default=env("SPECWIRE_DRAFTER", None),
                         help="drafter HOST:PORT (env SPECWIRE_DRAFTER); without one, target-only decoding")
     grpc_common.add_channel_arguments(parser, prefix="drafter-")
-    parser.add_argument("--model", default=env("SPECWIRE_MODEL", None),
-                        help="GGUF file or Hugging Face directory (default: SmolLM2-135M-Instruct)")
-    parser.add_argument("--device", default=env("SPECWIRE_DEVICE", None), help="cpu or cuda[:N]")
-    parser.add_argument("--dtype", default=env("SPECWIRE_DTYPE", None), choices=["bf16", "fp16", "fp32"],
-                        help="weights and KV cache (default: bf16 on CUDA, fp32 on CPU)")
+    grpc_common.add_model_arguments(parser, dtype_of="weights and KV cache")
     parser.add_argument("--k", type=int, default=env("SPECWIRE_K", 4),
                         help="draft tokens per request per round (default 4; 0 = no speculation)")
     parser.add_argument("--max-slots", type=int, default=env("SPECWIRE_MAX_SLOTS", 16),
