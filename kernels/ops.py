@@ -103,10 +103,11 @@ def attention_ref(
     """
     B, T, Hq, D = q.shape
     Hkv = k_cache_l.shape[1]
-    keys, values = k_cache_l[slots.long()], v_cache_l[slots.long()]  # [B, Hkv, C, D]
-    if not q.is_cuda:  # Skip never-read cache positions; the host sync is free on CPU.
+    kv_len = k_cache_l.shape[2]
+    if not q.is_cuda:  # Gather only positions some query can see; the host sync is free on CPU.
         kv_len = max(int((start_pos + num_tokens).max()), 1)
-        keys, values = keys[:, :, :kv_len], values[:, :, :kv_len]
+    index = slots.long()
+    keys, values = k_cache_l[index, :, :kv_len], v_cache_l[index, :, :kv_len]  # [B, Hkv, kv_len, D]
     qg = q.float().reshape(B, T, Hkv, Hq // Hkv, D).permute(0, 2, 3, 1, 4)  # [B, Hkv, G, T, D]
     scores = torch.einsum("bhgtd,bhcd->bhgtc", qg, keys.float()) * scale
     i = torch.arange(T, device=q.device)
