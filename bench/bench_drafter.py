@@ -15,51 +15,22 @@ import time
 from pathlib import Path
 
 import torch
+from shapes import SHAPES  # bench/shapes.py: scripts run as `python bench/<name>.py`
 from specwire.drafter.eagle_head import EagleHead, EagleHeadConfig
 from specwire.drafter.proposer import EagleProposer
 
 from specwire.config import ModelConfig
 
-SHAPES = {
-    "smollm2-135m": dict(
-        vocab_size=49152,
-        hidden_size=576,
-        intermediate_size=1536,
-        num_layers=30,
-        num_heads=9,
-        num_kv_heads=3,
-        head_dim=64,
-    ),
-    "llama-3.1-8b": dict(
-        vocab_size=128256,
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_layers=32,
-        num_heads=32,
-        num_kv_heads=8,
-        head_dim=128,
-    ),
-}
-
-
-def target_config(shape: str) -> ModelConfig:
-    return ModelConfig(
-        **SHAPES[shape],
-        rms_norm_eps=1e-5,
-        rope_theta=10000.0,
-        rope_scaling=None,
-        max_position_embeddings=4096,
-        tie_word_embeddings=True,
-        attention_bias=False,
-        bos_token_id=None,
-        eos_token_ids=(),
-    )
-
 
 def random_head(config: ModelConfig, arch: str, device: str) -> EagleHead:
     head_config = EagleHeadConfig.for_target(config, arch, draft_vocab_size=32000)
-    embed = torch.randn(config.vocab_size, config.hidden_size, dtype=torch.bfloat16, device=device) * 0.02
-    head = EagleHead(head_config, {"model.embed_tokens.weight": embed}, torch.bfloat16, device, 4096)
+    def rand(*size: int) -> torch.Tensor:
+        return torch.randn(*size, dtype=torch.bfloat16, device=device) * 0.02
+
+    shared = {"model.embed_tokens.weight": rand(config.vocab_size, config.hidden_size)}
+    if not config.tie_word_embeddings:
+        shared["lm_head.weight"] = rand(config.vocab_size, config.hidden_size)
+    head = EagleHead(head_config, shared, torch.bfloat16, device, 4096)
     head.init_weights()
     return head.requires_grad_(False)
 
@@ -117,7 +88,7 @@ def main() -> None:
     args = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_drafter needs CUDA")
-    head = random_head(target_config(args.shape), args.arch, "cuda")
+    head = random_head(SHAPES[args.shape], args.arch, "cuda")
     rows = []
     for batch in (int(b) for b in args.batch_sizes.split(",")):
         row = {"batch": batch}

@@ -17,13 +17,10 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 import triton
+from shapes import SHAPES  # bench/shapes.py: scripts run as `python bench/<name>.py`
 from specwire.kernels import ops
 from torch.profiler import ProfilerActivity, profile
 
-SHAPES = {  # name: (hidden, intermediate, Hq, Hkv, D)
-    "smollm2-135m": (576, 1536, 9, 3, 64),
-    "llama-3.1-8b": (4096, 14336, 32, 8, 128),
-}
 MODES = {"decode": 1, "verify": 5}  # new tokens per row
 CONTEXT = 512  # keys each row attends to after this step
 CAPACITY = 1024  # cache positions per slot: the references read all of them
@@ -68,7 +65,9 @@ class Layer:
     """One decoder layer's tensors for a (shape, batch, T) case; `run(impl)` is one layer forward."""
 
     def __init__(self, shape: str, batch: int, T: int, dtype: torch.dtype = torch.bfloat16):
-        hidden, inter, Hq, Hkv, D = SHAPES[shape]
+        c = SHAPES[shape]
+        hidden, inter = c.hidden_size, c.intermediate_size
+        Hq, Hkv, D = c.num_heads, c.num_kv_heads, c.head_dim
         dev = "cuda"
 
         def rand(*size: int, scale: float = 1.0) -> torch.Tensor:

@@ -19,8 +19,8 @@ import sys
 import time
 
 import torch
+from shapes import SHAPES  # bench/shapes.py: scripts run as `python bench/<name>.py`
 
-from specwire.config import ModelConfig
 from specwire.default_model import default_model_path
 from specwire.engine import TargetEngine, default_dtype, parse_device
 from specwire.sampling_params import SamplingParams
@@ -43,18 +43,6 @@ PROMPTS = [
     "Explain photosynthesis to a child.",
     "Suggest a name for a small coffee shop.",
 ]
-
-SYNTHETIC = {
-    "llama-3.1-8b": ModelConfig(
-        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
-        num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=500000.0,
-        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                      "original_max_position_embeddings": 8192},
-        max_position_embeddings=131072, tie_word_embeddings=False, attention_bias=False,
-        bos_token_id=128000, eos_token_ids=(128001, 128009),
-    ),
-}
-
 
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
@@ -182,7 +170,7 @@ def event_time(fn, repeats: int) -> float:
 
 def synthetic_engine(name: str, device: torch.device, max_slots: int, max_context: int) -> TargetEngine:
     """Random bf16 weights with a real model's shapes, built on the device (nothing to download)."""
-    config = SYNTHETIC[name]
+    config = SHAPES[name]
     from specwire.model import LlamaModel
 
     shapes = LlamaModel(config, device="meta").expected_shapes()
@@ -212,7 +200,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--model", default=None, help="GGUF file or HF directory (default: SmolLM2-135M)")
-    p.add_argument("--synthetic", choices=sorted(SYNTHETIC), help="random weights with these shapes (CUDA)")
+    p.add_argument("--synthetic", choices=sorted(SHAPES), help="random weights with these shapes (CUDA)")
     p.add_argument("--batches", default="1,16", help="generate() batch sizes")
     p.add_argument("--step-batches", default="1,16,64", help="decode-step batch sizes (CUDA)")
     p.add_argument("--max-tokens", type=int, default=128)
