@@ -5,7 +5,7 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 
-.PHONY: install install-test demo test lint proto
+.PHONY: install install-test demo test proto
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -24,10 +24,8 @@ demo: install
 	$(VENV)/bin/specwire demo
 
 test: install-test
-	$(PY) -m pytest -q $(PYTEST_ARGS)
-
-lint: install-test
 	$(VENV)/bin/ruff check .
+	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 proto:
 	proto/generate.sh
