@@ -95,8 +95,8 @@ def decode_proposal(proposal: pb.Proposal, want: Want, vocab_size: int) -> Draft
                 else pb.PROBS_KIND_SPARSE if want.top_k > 0 else pb.PROBS_KIND_DENSE)
     # A sparse request may be answered densely (exact too); anything else mixes up q.
     if kind != expected and not (expected == pb.PROBS_KIND_SPARSE and kind == pb.PROBS_KIND_DENSE):
-        raise ProposalError(f"proposal {rid!r}: probs_kind {pb.ProbsKind.Name(kind)}, expected "
-                            f"{pb.ProbsKind.Name(expected)}")
+        name = pb.ProbsKind.Name(kind) if kind in pb.ProbsKind.values() else f"{kind} (not a ProbsKind)"
+        raise ProposalError(f"proposal {rid!r}: probs_kind {name}, expected {pb.ProbsKind.Name(expected)}")
     if kind == pb.PROBS_KIND_NONE:
         return Drafts(ids)
     drafted = torch.tensor(ids, dtype=torch.int64)

@@ -295,7 +295,8 @@ class Scheduler:
             if step.features is not None:
                 r.features = FeatureRows(step.features.pop(0))
             self.metrics.prompt_tokens.inc(len(r.prompt))
-            self._emit(r, tokens)
+            if r.live:  # as in _verify: an abort that came in during the step wins
+                self._emit(r, tokens)
 
     async def _verify(self, group: list[Request], half: int) -> None:
         sent = self._in_flight.pop(half, None)
@@ -457,11 +458,12 @@ class Scheduler:
                                    f"({len(blocks)} x hidden size {H})")
         if info.max_num_drafts < 1:
             raise HandshakeRefused("drafter offers max_num_drafts = 0")
-        if info.feature_dtype not in (dpb.DTYPE_FLOAT32, dpb.DTYPE_BFLOAT16, dpb.DTYPE_FLOAT16):
-            raise HandshakeRefused(f"drafter asks features as {dpb.DType.Name(info.feature_dtype)}")
-        self._feature_columns = columns
-        self._feature_dtype = {dpb.DTYPE_FLOAT32: torch.float32, dpb.DTYPE_BFLOAT16: torch.bfloat16,
-                               dpb.DTYPE_FLOAT16: torch.float16}[info.feature_dtype]
+        dtype = {dpb.DTYPE_FLOAT32: torch.float32, dpb.DTYPE_BFLOAT16: torch.bfloat16,
+                 dpb.DTYPE_FLOAT16: torch.float16}.get(info.feature_dtype)
+        if dtype is None:  # an unknown enum value has no name: print the number
+            raise HandshakeRefused(f"drafter asks for features as DType {info.feature_dtype}; this verifier "
+                                   f"sends float32, bfloat16 or float16")
+        self._feature_columns, self._feature_dtype = columns, dtype
 
     def _on_drafter_connect(self) -> None:
         """A fresh stream holds nothing: every live request is re-sent whole with its next step."""
@@ -470,6 +472,12 @@ class Scheduler:
         self._frees.clear()
         self._in_flight.clear()
         self._wake.set()
+
+    def _drafter_room(self) -> int:
+        """NewRequests the drafter can take now; max_requests 0 means it set no limit."""
+        limit = self.link.info.max_requests
+        held = sum(r.drafter_len > 0 for r in self.running)
+        return max(0, limit - held) if limit else len(self.running)
 
     def _num_drafts(self, r: Request) -> int:
         room = min(self.max_context - len(r.tokens), r.params.max_tokens - r.num_output) - 1
@@ -495,15 +503,23 @@ class Scheduler:
         step = dpb.DraftStep()
         step.updates.extend(dpb.RequestUpdate(request_id=rid, free=dpb.Free()) for rid in self._frees)
         wants: dict[str, Want] = {}
+        # Past max_requests the drafter refuses a NewRequest, which would then be re-sent whole (every prompt
+        # feature) each step. A request without room waits, undrafted, for one; this step's frees come first.
+        room = self._drafter_room()
+        told = []
         for r in group:
             n = len(r.tokens)
             if r.drafter_len == 0:
+                if room == 0:
+                    continue
+                room -= 1
                 new = dpb.NewRequest(token_ids=r.tokens, features=self._features(r, 0, n - 1))
                 step.updates.append(dpb.RequestUpdate(request_id=r.id, new_request=new))
             elif r.drafter_len < n:
                 accepted = dpb.Accepted(position=r.drafter_len, token_ids=r.tokens[r.drafter_len:],
                                         features=self._features(r, r.drafter_len - 1, n - 1))
                 step.updates.append(dpb.RequestUpdate(request_id=r.id, accepted=accepted))
+            told.append(r)
             if k := self._num_drafts(r):
                 message, wants[r.id] = self._want(r, k)
                 step.wants.append(message)
@@ -512,7 +528,7 @@ class Scheduler:
         if future is None or self.link.epoch != epoch:  # a new stream already asked for everything again
             return
         self._frees.clear()
-        for r in group:
+        for r in told:
             r.drafter_len = len(r.tokens)
         if wants:
             self._in_flight[half] = (future, wants)
