@@ -192,7 +192,7 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
         top_k = [min(w.top_k, p.max_top_k) if t > 0 else 0 for w, t in zip(wants, temperature, strict=True)]
         proposal = p.propose(keys, ks, temperature, top_k)
         self.metrics.forward_steps.labels(mode="cuda_graph" if p.graphs else "eager").inc()
-        self.metrics.draft_tokens.inc(sum(ks))
+        self.metrics.draft_tokens.inc(int(proposal.num_drafts.sum()))  # k clipped at the drafter's context
         return self._split(wants, proposal, temperature, top_k)
 
     def _split(self, wants: list[pb.DraftWant], proposal: Proposal, temperature: list[float],

@@ -56,7 +56,7 @@ STEP_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.0
 
 FALLBACK_REASONS = ("down", "timeout", "bad_payload")
 STEP_MODES = ("cuda_graph", "eager")
-BAD_PAYLOAD_REASONS = ("bad_tensor", "unknown_request", "probs_mismatch")
+BAD_PAYLOAD_REASONS = ("bad_tensor", "unknown_request", "probs_mismatch", "link_error")
 DIRECTIONS = ("sent", "received")
 
 
@@ -75,7 +75,7 @@ class _ServiceMetrics:
         self.bad_payloads = self._counter(
             "bad_payloads",
             "Drafter-link messages (or parts) refused: malformed tensor, unknown request id, "
-            "probabilities that do not match their kind.",
+            "probabilities that do not match their kind, or an unexpected error on the link (link_error).",
             ["reason"],
         )
         # Pre-create every label value, so rate() sees a 0 before the first event instead of no series.

@@ -2,9 +2,12 @@
 or the drafter link. Real servers in-process, the tiny target and bigram head of test_services_e2e."""
 
 import asyncio
+import socket
 from concurrent.futures import ThreadPoolExecutor
 
+import grpc
 import pytest
+import torch
 from specwire.drafter.proposer import EagleProposer
 from specwire.drafter.server import DrafterService
 from test_services_e2e import (
@@ -23,7 +26,10 @@ from test_services_e2e import (
 from specwire.default_model import default_model_path
 from specwire.sampling_params import SamplingParams
 from specwire.tokenizer import load_tokenizer
+from specwire.v1 import drafter_pb2 as dpb
+from specwire.v1 import drafter_pb2_grpc
 from specwire.v1 import generation_pb2 as pb
+from specwire.wire import encode_tensor
 
 UNKNOWN_ENUM = 99  # a value no ProbsKind / DType names: what a newer or broken drafter may send
 
@@ -153,3 +159,71 @@ def test_abort_during_prefill_streams_nothing_more(world):
         assert outputs[-1].finish_reason == "abort"
     finally:
         v.close()
+
+
+class FailsOnce:
+    """Wraps the verifier's real drafter check; its first call raises as a bug in a check would."""
+
+    MESSAGE = "injected: a bug in the drafter check"
+
+    def __init__(self, check):
+        self.check, self.calls = check, 0
+
+    def __call__(self, info):
+        self.calls += 1
+        if self.calls == 1:
+            raise RuntimeError(self.MESSAGE)
+        self.check(info)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_an_unexpected_error_while_connecting_is_logged_and_the_link_retries(world, caplog):
+    port = free_port()
+    v = Verifier(world.loop, world.checkpoint, world.tokenizer, port)  # no drafter there yet: nothing checked
+    try:
+        link = v.server.scheduler.link
+        link.check_info = check = FailsOnce(link.check_info)
+        drafter = Drafter(world.loop, world.checkpoint, world.tokenizer.fingerprint, port=port)
+        try:
+            poll(lambda: check.calls >= 2 or link._task.done(), what="a second handshake")
+            assert not link._task.done(), "the reconnect loop died"
+            v.wait_connected()
+            errors = [r for r in caplog.records if r.getMessage() == "drafter link error"]
+            assert [(r.error, r.reason) for r in errors] == [("RuntimeError", FailsOnce.MESSAGE)]
+            assert v.counter(v.metrics.bad_payloads, reason="link_error") == 1
+            batch = prompts(4, seed=27)
+            results = generate_all(v, batch, max_tokens=20)
+            assert [r[0] for r in results] == greedy_reference(world.checkpoint, batch, 20)
+            assert v.counter(v.metrics.num_accepted_tokens) > 0, "speculation did not resume"
+        finally:
+            drafter.kill()
+    finally:
+        v.close()
+
+
+def test_drafter_counts_the_drafts_it_sends_not_the_drafts_asked_for(world):
+    drafter = Drafter(world.loop, world.checkpoint, world.tokenizer.fingerprint)
+    try:
+        F = drafter.service.info.feature_dim
+        # Tokens held (prompt + first sampled token): the first request fills the drafter's context but one,
+        # which leaves room to draft 2 of the K = 3 asked for.
+        lengths = {"near-the-end": MAX_CONTEXT, "short": 8}
+        updates = [dpb.RequestUpdate(request_id=rid, new_request=dpb.NewRequest(
+            token_ids=list(range(3, 3 + n)), features=encode_tensor(torch.randn(n - 1, F))))
+            for rid, n in lengths.items()]
+        wants = [dpb.DraftWant(request_id=rid, num_drafts=K) for rid in lengths]
+        with grpc.insecure_channel(f"127.0.0.1:{drafter.port}") as channel:
+            stream = drafter_pb2_grpc.DrafterStub(channel).Draft(
+                iter([dpb.DraftStep(step_id=1, updates=updates, wants=wants)]), timeout=30)
+            result = next(stream)
+        assert not result.error and not result.dropped_request_ids
+        sent = {p.request_id: len(p.draft_token_ids) for p in result.proposals}
+        assert sent == {"near-the-end": 2, "short": K}
+        assert drafter.metrics.draft_tokens._value.get() == sum(sent.values())
+    finally:
+        drafter.kill()

@@ -3,7 +3,8 @@
 Nothing here can fail a request. A step that is not answered within its deadline resolves to None (the
 scheduler decodes that step without drafts) and its late answer is dropped as stale. A broken stream
 resolves every waiting step to None, and a background task reconnects with exponential backoff; after
-each new stream the scheduler re-sends the state of its live requests (`on_connect`).
+each new stream the scheduler re-sends the state of its live requests (`on_connect`). Any exception while
+connecting is logged and retried, so a bug in a check turns speculation off only until it stops raising.
 """
 
 from __future__ import annotations
@@ -127,11 +128,10 @@ class DrafterLink:
         delay = self.backoff[0]
         while not self._closed:
             channel = grpc_common.create_channel(self.target, self.channel_options)
+            started = None
             try:
                 started = await self._open(channel)
-                await self._read(self._call)
-                if time.perf_counter() - started > 10 * self.backoff[1]:
-                    delay = self.backoff[0]  # it was up for a good while: retry quickly
+                await self._read(self._call)  # returns only by raising: the stream broke
             except HandshakeRefused as e:
                 if str(e) != self.last_error:
                     log.error("drafter refused: speculation off",
@@ -142,9 +142,18 @@ class DrafterLink:
                 if message != self.last_error:
                     log.warning("drafter unavailable", extra={"drafter": self.target, "reason": message})
                 self.last_error = message or type(e).__name__
+            except Exception as e:  # a bug in a check or on_connect must not end reconnecting for good
+                message = f"{type(e).__name__}: {e}"
+                if message != self.last_error:
+                    log.error("drafter link error", extra={"drafter": self.target, "error": type(e).__name__,
+                                                          "reason": str(e)})
+                self.metrics.bad_payloads.labels(reason="link_error").inc()
+                self.last_error = message
             finally:
                 self._disconnect(self._call, self.last_error)
                 await channel.close(None)
+            if started is not None and time.perf_counter() - started > 10 * self.backoff[1]:
+                delay = self.backoff[0]  # it was up for a good while: retry quickly
             await asyncio.sleep(delay * random.uniform(0.8, 1.2))
             delay = min(2 * delay, self.backoff[1])
 
