@@ -1,0 +1,211 @@
+"""Where the verifier's host time goes per verify round, with model compute made negligible.
+
+Both services run in-process over real gRPC on 127.0.0.1, each on its own event-loop thread, with the tiny
+random target and the bigram EAGLE head of tests/test_services_e2e.py (SmolLM2's 49152-token vocabulary, so
+the sampler and the lm_head rows are real-sized; 4 layers of width 64, so the forward costs next to nothing).
+`--streams` requests at a time generate greedily while cProfile records the verifier's two threads: the
+event loop (scheduler, alignment, drafter link, streaming) and the engine worker (forward, sampler, features).
+The drafter's threads are not profiled.
+
+Prints per thread the top functions by cumulative ms per verify round, then a component summary. The default
+timer is each thread's CPU time (`--timer cpu`), so time spent waiting (for the drafter, the other thread, or
+other processes on a shared host) is not counted; `--timer wall` counts it.
+
+    python bench/profile_verifier_host.py                      # CPU
+    python bench/profile_verifier_host.py --verifier-device cuda:1 --drafter-device cuda:0 \
+        --out bench/results/profile_verifier_host_h200x2.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import os
+import pathlib
+import pstats
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is first imported, as tests/conftest.py
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
+from specwire.verifier.scheduler import SchedulerConfig  # noqa: E402
+from specwire.verifier.server import VerifierServer, VerifierSettings  # noqa: E402
+from test_services_e2e import MAX_CONTEXT, Drafter, Loop, prompts, tiny_target  # noqa: E402
+
+from specwire import grpc_common  # noqa: E402
+from specwire.default_model import default_model_path  # noqa: E402
+from specwire.engine import TargetEngine  # noqa: E402
+from specwire.metrics import VerifierMetrics  # noqa: E402
+from specwire.tokenizer import load_tokenizer  # noqa: E402
+from specwire.v1 import generation_pb2 as pb  # noqa: E402
+from specwire.v1 import generation_pb2_grpc  # noqa: E402
+
+# (label, thread, functions whose cumulative time it is); an indented label is part of the one above it.
+COMPONENTS = [
+    ("worker: _verify_on_worker (all)", "worker", ["_verify_on_worker"]),
+    ("worker:   engine.verify/decode", "worker", ["verify", "decode"]),
+    ("worker:     model step (eager forward, or graph prepare + replay)", "worker", ["_step"]),
+    ("worker:   _sample (all)", "worker", ["_sample"]),
+    ("worker:     rejection_sample", "worker", ["rejection_sample"]),
+    ("loop: Scheduler._verify (all, minus awaits)", "loop", ["_verify"]),
+    ("loop:   _drafts_for", "loop", ["_drafts_for"]),
+    ("loop:     read_result", "loop", ["read_result"]),
+    ("loop:     batch_drafts", "loop", ["batch_drafts"]),
+    ("loop:   _emit (detokenise, queue)", "loop", ["_emit"]),
+    ("loop:   _send_step", "loop", ["_send_step"]),
+    ("loop:     _features (encode)", "loop", ["_features"]),
+    ("loop:     DrafterLink.send", "loop", ["send"]),
+    ("loop: DrafterLink._read", "loop", ["_read"]),
+    ("loop: GenerationService.Generate", "loop", ["Generate"]),
+    ("loop: Scheduler._reap", "loop", ["_reap"]),
+]
+OWNERS = {  # function name -> a path fragment of its file, to tell apart same-named functions
+    "_verify_on_worker": "scheduler", "verify": "engine", "decode": "engine", "_step": "engine",
+    "_sample": "scheduler", "rejection_sample": "rejection_sampler",
+    "_verify": "scheduler", "_drafts_for": "scheduler", "read_result": "alignment",
+    "batch_drafts": "alignment", "_emit": "scheduler", "_send_step": "scheduler", "_features": "scheduler",
+    "send": "drafter_link", "_read": "drafter_link", "Generate": "verifier_service/server",
+    "_reap": "scheduler",
+}
+
+
+def start_verifier(loop: Loop, checkpoint, tokenizer, drafter_port: int, device: str, k: int, max_slots: int
+                   ) -> tuple[VerifierServer, generation_pb2_grpc.GenerationStub]:
+    """As `specwire verifier` builds it: CUDA graphs for decode and for verify rows of 1 + k tokens."""
+    engine = TargetEngine(checkpoint=checkpoint, device=device, dtype=torch.float32, max_slots=max_slots,
+                          max_context=MAX_CONTEXT, max_verify_tokens=k + 1)
+    settings = VerifierSettings(drafter=f"127.0.0.1:{drafter_port}", step_timeout=5.0, model_name="tiny",
+                                scheduler=SchedulerConfig(num_speculative_tokens=k, max_waiting=64))
+
+    async def start() -> tuple[VerifierServer, int]:  # grpc.aio objects belong to the loop they are made on
+        server = VerifierServer(grpc_common.ServerOptions(listen="127.0.0.1:0"), settings, VerifierMetrics())
+        return server, await server.start(engine, tokenizer)
+
+    server, port = loop.run(start())
+    return server, generation_pb2_grpc.GenerationStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
+
+
+def generate(stub, prompt: list[int], max_tokens: int) -> int:
+    request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt),
+                                 sampling=pb.SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    return sum(len(r.chunk.token_ids) for r in stub.Generate(request, timeout=600))
+
+
+def run_batches(stub, batch: list[list[int]], streams: int, max_tokens: int) -> int:
+    with ThreadPoolExecutor(streams) as pool:
+        return sum(pool.map(lambda p: generate(stub, p, max_tokens), batch))
+
+
+def on_thread(loop: Loop, worker: ThreadPoolExecutor, fn) -> None:
+    """Runs fn(thread) on the verifier's event-loop thread and on its engine worker thread."""
+    done = threading.Event()
+    loop.loop.call_soon_threadsafe(lambda: (fn("loop"), done.set()))
+    worker.submit(fn, "worker").result()
+    done.wait(10)
+
+
+def cumulative(stats: pstats.Stats, name: str) -> tuple[float, int]:
+    """(cumulative seconds, calls) of the functions called `name` in the file OWNERS names."""
+    seconds, calls = 0.0, 0
+    for (path, _, func), (_, nc, _, ct, _) in stats.stats.items():
+        if func == name and OWNERS[name] in path:
+            seconds, calls = seconds + ct, calls + nc
+    return seconds, calls
+
+
+def top_rows(stats: pstats.Stats, rounds: int, n: int) -> list[dict]:
+    rows = sorted(stats.stats.items(), key=lambda item: -item[1][3])
+    return [{"function": f"{pathlib.Path(path).name}:{line}({func})", "calls_per_round": nc / rounds,
+             "self_ms": 1e3 * tt / rounds, "cum_ms": 1e3 * ct / rounds}
+            for (path, line, func), (_, nc, tt, ct, _) in rows[:n]]
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--verifier-device", default="cpu")
+    p.add_argument("--drafter-device", default="cpu")
+    p.add_argument("--streams", type=int, default=1, help="requests generating at once (default 1)")
+    p.add_argument("--requests", type=int, default=8, help="requests in the profiled run (default 8)")
+    p.add_argument("--max-tokens", type=int, default=96, help=f"per request (prompt + this <= {MAX_CONTEXT})")
+    p.add_argument("--k", type=int, default=3)
+    p.add_argument("--timer", choices=("cpu", "wall"), default="cpu")
+    p.add_argument("--top", type=int, default=30, help="rows per thread in the function table")
+    p.add_argument("--out", default=None, help="write the JSON result here")
+    args = p.parse_args()
+
+    checkpoint = tiny_target()
+    tokenizer = load_tokenizer(default_model_path())
+    drafter_loop, verifier_loop = Loop(), Loop()
+    drafter = Drafter(drafter_loop, checkpoint, tokenizer.fingerprint, device=args.drafter_device)
+    server, stub = start_verifier(verifier_loop, checkpoint, tokenizer, drafter.port, args.verifier_device,
+                                  args.k, max_slots=max(16, args.streams))
+    scheduler = server.scheduler
+    deadline = time.time() + 30
+    while not scheduler.speculating:
+        assert time.time() < deadline, "the drafter never connected"
+        time.sleep(0.05)
+    batch = prompts(args.requests, seed=1)
+    run_batches(stub, batch[:args.streams], args.streams, 16)  # warm-up: graphs, allocator, grpc channels
+
+    timer = time.thread_time if args.timer == "cpu" else time.perf_counter
+    profiles = {"loop": cProfile.Profile(timer), "worker": cProfile.Profile(timer)}
+    metrics = server.metrics
+    steps_before = metrics.num_draft_tokens._value.get(), metrics.num_accepted_tokens._value.get()
+    on_thread(verifier_loop, scheduler._worker, lambda thread: profiles[thread].enable())
+    started = time.perf_counter()
+    tokens = run_batches(stub, batch, args.streams, args.max_tokens)
+    seconds = time.perf_counter() - started
+    on_thread(verifier_loop, scheduler._worker, lambda thread: profiles[thread].disable())
+
+    stats = {thread: pstats.Stats(prof) for thread, prof in profiles.items()}
+    rounds = cumulative(stats["worker"], "_verify_on_worker")[1]
+    drafted = metrics.num_draft_tokens._value.get() - steps_before[0]
+    accepted = metrics.num_accepted_tokens._value.get() - steps_before[1]
+    summary = {
+        "rounds": rounds, "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
+        "ms_per_round_wall": 1e3 * seconds / rounds, "tokens_per_round": tokens / rounds,
+        "acceptance_rate": accepted / drafted if drafted else 0.0,
+    }
+    print(f"# {rounds} verify rounds, {tokens} tokens in {seconds:.2f} s ({tokens / seconds:.0f} tok/s, "
+          f"{summary['ms_per_round_wall']:.2f} ms a round wall, {tokens / rounds:.2f} tokens a round); "
+          f"timer: {args.timer} time per thread, ms per verify round")
+    tables = {}
+    for thread, s in stats.items():
+        tables[thread] = top_rows(s, rounds, args.top)
+        total = 1e3 * s.total_tt / rounds
+        print(f"\n## {thread} thread: {total:.3f} ms a round in all")
+        print(f"{'cum ms':>8} {'self ms':>8} {'calls':>7}  function")
+        for r in tables[thread]:
+            print(f"{r['cum_ms']:8.3f} {r['self_ms']:8.3f} {r['calls_per_round']:7.2f}  {r['function']}")
+    components = {}
+    print("\n## components (ms per verify round; indented rows are part of the row above)")
+    for label, thread, names in COMPONENTS:
+        seconds_in = sum(cumulative(stats[thread], name)[0] for name in names)
+        components[label] = 1e3 * seconds_in / rounds
+        print(f"{components[label]:8.3f}  {label}")
+    for thread, s in stats.items():
+        components[f"{thread}: thread total"] = 1e3 * s.total_tt / rounds
+        print(f"{components[f'{thread}: thread total']:8.3f}  {thread}: thread total")
+
+    verifier_loop.run(server.stop(0))
+    drafter.kill()
+    drafter_loop.close()
+    verifier_loop.close()
+    if args.out:
+        result = {"bench": "profile_verifier_host", "args": vars(args), "torch": torch.__version__,
+                  "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+                  "summary": summary, "components_ms_per_round": components, "top": tables}
+        pathlib.Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
