@@ -2,16 +2,20 @@
 
 The head must imitate the target, so the target writes the responses (greedy or sampled, as it will be run)
 and its hidden states are recorded on exactly those tokens. The prompt set is widened self-instruct style:
-the target writes new instructions from a few seed tasks shown as examples.
+the target writes new instructions from a few seed tasks shown as examples (degenerate and near-duplicate ones
+dropped). Every prompt keeps its source, so the mix can be capped per source and held out per source.
 """
 
 from __future__ import annotations
 
 import json
 import random
+import re
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from tqdm import tqdm
@@ -20,6 +24,16 @@ from specwire.engine import TargetEngine
 from specwire.sampling_params import SamplingParams
 
 PROMPT_FILES = ("self_instruct_seed_tasks.jsonl", "gsm8k_train.jsonl", "humaneval.jsonl")
+GENERATED_SOURCE = "self_instruct_generated"  # the instructions the target writes itself
+MIN_HELDOUT_PER_SOURCE = 16  # enough held-out prompts for a per-source acceptance that is not noise
+MIN_INSTRUCTION_WORDS = 3
+ECHOES = ("new task", "different from these", "example tasks")  # the request's words, not a task
+_LIST_MARKER = re.compile(r"^\s*(?:\d+[.)]|(?:new )?task:)\s*", re.IGNORECASE)
+
+
+class Prompt(NamedTuple):
+    source: str  # a prompt file's stem, or GENERATED_SOURCE
+    text: str
 
 
 def prompt_text(record: dict) -> str | None:
@@ -63,6 +77,63 @@ def load_seed_prompts(data_dir: str | Path) -> dict[str, list[str]]:
     return found
 
 
+def interleave(by_source: dict[str, list[str]], rng: random.Random) -> list[Prompt]:
+    """All prompts tagged with their source, shuffled, so a deadline cut-off keeps the mix."""
+    tagged = [Prompt(name, text) for name, texts in by_source.items() for text in texts]
+    rng.shuffle(tagged)
+    return tagged
+
+
+def split_per_source(
+    by_source: dict[str, list[str]], holdout: float
+) -> tuple[dict[str, list[str]], dict[str, list[str]]]:
+    """(held-out, train), stratified: each source holds out its first `holdout` share (shuffle first), but
+    at least min(MIN_HELDOUT_PER_SOURCE, n // 4), so every source of 4+ prompts is measured, and never all."""
+    held, train = {}, {}
+    for name, texts in by_source.items():
+        n = len(texts)
+        k = min(max(round(n * holdout), min(MIN_HELDOUT_PER_SOURCE, n // 4)), max(n - 1, 0))
+        held[name], train[name] = texts[:k], texts[k:]
+    return held, train
+
+
+def cap_source_shares(by_source: dict[str, list[str]], max_share: float) -> dict[str, list[str]]:
+    """Truncate the largest sources to a common size C, the largest C with C <= max_share x the capped total,
+    so no source exceeds max_share of the mix. k sources cannot all stay below 1/k: then the cap is 1/k."""
+    sizes = [len(texts) for texts in by_source.values() if texts]
+    share = max(max_share, 1 / max(len(sizes), 1))
+
+    def fits(c: int) -> bool:
+        return c <= share * sum(min(n, c) for n in sizes) + 1e-9
+
+    lo, hi = 0, max(sizes, default=0)
+    while lo < hi:  # share x total - c is concave in c and 0 at c = 0: fits() holds on 0..C, then fails
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+    return {name: texts[:lo] for name, texts in by_source.items()}
+
+
+def normalise(text: str) -> str:
+    """Lower-case words without list markers or punctuation: near-identical instructions compare equal."""
+    return " ".join(re.findall(r"\w+", _LIST_MARKER.sub("", text).lower()))
+
+
+def screen_instruction(text: str, seen: set[str]) -> str:
+    """'degenerate' (under MIN_INSTRUCTION_WORDS words, looping: a word thrice in a row or under half the
+    words distinct, or echoing the request), 'duplicate' (normalised text in seen) or 'kept' (then added to
+    seen)."""
+    words = normalise(text).split()
+    key = " ".join(words)
+    runs = zip(words, words[1:], words[2:], strict=False)
+    looping = len(set(words)) < 0.5 * len(words) or any(a == b == c for a, b, c in runs)
+    if len(words) < MIN_INSTRUCTION_WORDS or looping or any(e in key for e in ECHOES):
+        return "degenerate"
+    if key in seen:
+        return "duplicate"
+    seen.add(key)
+    return "kept"
+
+
 @dataclass
 class Sample:
     """One distilled conversation: tokens = prompt + response, and the target's features on every token."""
@@ -71,6 +142,7 @@ class Sample:
     prompt_len: int
     hidden: torch.Tensor  # [n, H] final normed hidden state (EAGLE-1 features, and the target's logits)
     aux: torch.Tensor | None  # [n, 3H] EAGLE-3 taps
+    source: str = ""
 
 
 def chat_ids(engine: TargetEngine, text: str) -> list[int]:
@@ -79,13 +151,23 @@ def chat_ids(engine: TargetEngine, text: str) -> list[int]:
 
 
 def write_instructions(
-    engine: TargetEngine, seeds: list[str], count: int, rng: random.Random, deadline: float, batch: int
-) -> list[str]:
-    """Self-instruct: show the target three seed tasks and let it write a new one (sampled, T = 1)."""
+    engine: TargetEngine,
+    seeds: list[str],
+    count: int,
+    rng: random.Random,
+    deadline: float,
+    batch: int,
+    known: list[str],
+) -> tuple[list[str], Counter]:
+    """Self-instruct: show the target three seed tasks and let it write a new one (sampled, T = 1). Keeps only
+    finished, non-degenerate instructions unlike each other and the `known` prompts (see screen_instruction);
+    returns them and the count of each verdict."""
     short = [s for s in seeds if len(s) < 400]
     made: list[str] = []
+    verdicts: Counter = Counter()
     if len(short) < 3:
-        return made
+        return made, verdicts
+    seen = {normalise(k) for k in known}
     bar = tqdm(total=count, desc="self-instruct", unit="task")
     rounds = 3 * -(-count // batch)  # a weak target may rarely finish a task: bounded retries
     for _ in range(rounds):
@@ -101,17 +183,19 @@ def write_instructions(
         params = SamplingParams(temperature=1.0, max_tokens=80, seed=rng.randrange(2**62))
         results = engine.generate([chat_ids(engine, a) for a in asks], [params] * len(asks))
         for r in results:
-            text = r.text.strip().split("\n\n")[0].strip().removeprefix("4. ").strip()
-            if r.finish_reason == "stop" and len(text) >= 10 and text not in made:
+            text = _LIST_MARKER.sub("", r.text.strip().split("\n\n")[0]).strip()
+            verdict = screen_instruction(text, seen) if r.finish_reason == "stop" else "unfinished"
+            verdicts[verdict] += 1
+            if verdict == "kept" and len(made) < count:
                 made.append(text)
                 bar.update(1)
     bar.close()
-    return made
+    return made, verdicts
 
 
 def distill(
     engine: TargetEngine,
-    prompts: list[str],
+    prompts: list[Prompt],
     max_new_tokens: int,
     sample_fraction: float,
     rng: random.Random,
@@ -126,9 +210,8 @@ def distill(
     for start in range(0, len(prompts), batch):
         if time.monotonic() > deadline:
             break
-        ids = [
-            chat_ids(engine, p)[: engine.max_context - max_new_tokens] for p in prompts[start : start + batch]
-        ]
+        chunk = prompts[start : start + batch]
+        ids = [chat_ids(engine, p.text)[: engine.max_context - max_new_tokens] for p in chunk]
         params = [
             SamplingParams(
                 temperature=0.7 if rng.random() < sample_fraction else 0.0,
@@ -138,19 +221,23 @@ def distill(
             for _ in ids
         ]
         results = engine.generate(ids, params)
-        samples += record_features(engine, [(p, r.token_ids) for p, r in zip(ids, results, strict=True)])
+        conversations = zip(ids, [r.token_ids for r in results], [p.source for p in chunk], strict=True)
+        samples += record_features(engine, list(conversations))
         bar.update(len(ids))
     bar.close()
     return samples
 
 
 @torch.no_grad()
-def record_features(engine: TargetEngine, conversations: list[tuple[list[int], list[int]]]) -> list[Sample]:
-    """Prefill prompt + response through the target; keep hidden (and aux taps) on the engine's device."""
+def record_features(
+    engine: TargetEngine, conversations: list[tuple[list[int], list[int], str]]
+) -> list[Sample]:
+    """Prefill prompt + response (tagged with its source) through the target; keep hidden (and aux taps) on
+    the engine's device."""
     samples = []
     for start in range(0, len(conversations), engine.max_slots):
         chunk = conversations[start : start + engine.max_slots]
-        seqs = [(p + r)[: engine.max_context] for p, r in chunk]
+        seqs = [(p + r)[: engine.max_context] for p, r, _ in chunk]
         slots = [engine.allocate_slot() for _ in seqs]
         try:
             out = engine.prefill(list(zip(slots, seqs, strict=True)))
@@ -158,9 +245,10 @@ def record_features(engine: TargetEngine, conversations: list[tuple[list[int], l
             for s in slots:
                 engine.free_slot(s)
         offset = 0
-        for (prompt, _), seq in zip(chunk, seqs, strict=True):
+        for (prompt, _, source), seq in zip(chunk, seqs, strict=True):
             n = len(seq)
             aux = out.aux_hidden[offset : offset + n] if out.aux_hidden is not None else None
-            samples.append(Sample(torch.tensor(seq), len(prompt), out.hidden[offset : offset + n], aux))
+            hidden = out.hidden[offset : offset + n]
+            samples.append(Sample(torch.tensor(seq), len(prompt), hidden, aux, source))
             offset += n
     return samples

@@ -1,14 +1,16 @@
 """`specwire train-eagle`: self-distil an EAGLE head from the target model within a time budget.
 
 1. Data (a --gen-fraction of --max-minutes): the target writes new instructions from the seed tasks
-   (self-instruct), answers seed + new prompts (greedy and T = 0.7), and its features are recorded.
-   Held-out prompts are split off before any generation.
+   (self-instruct, degenerate and near-duplicate ones dropped), answers seed + new prompts (greedy and
+   T = 0.7), and its features are recorded. Every source holds out its own share (stratified) before it is
+   used, and no source exceeds --max-source-share of the training (or held-out) prompts, so one large file
+   (GSM8K) cannot dominate the head or flatter its held-out numbers.
 2. Training (the rest): EAGLE's losses on the head's output at every response position: smooth-L1 regression
    onto the target's next feature (EAGLE-1 only) + 0.1 x cross-entropy against the target's next-token
    distribution (EAGLE-3: restricted to the draft vocabulary). A second, unrolled pass feeds the head its own
    shifted outputs as features (what drafting steps 2..k see), weighted by --unroll-weight.
-3. Each epoch: held-out top-1 agreement with the target (step 1 and self-fed step 2). Always saves the head
-   (config.json + model.safetensors, published key names, bf16) and train_log.json.
+3. Each epoch: held-out top-1 agreement with the target (step 1 and self-fed step 2), overall and per source.
+   Always saves the head (config.json + model.safetensors, published key names, bf16) and train_log.json.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import os
 import platform
 import random
 import time
-from collections import Counter
+from collections import Counter, defaultdict
 from pathlib import Path
 
 import torch
@@ -31,7 +33,17 @@ from specwire.drafter.eagle_head import (
     save_eagle_head,
     shared_target_weights,
 )
-from specwire.drafter.self_distill import Sample, distill, load_seed_prompts, write_instructions
+from specwire.drafter.self_distill import (
+    GENERATED_SOURCE,
+    Prompt,
+    Sample,
+    cap_source_shares,
+    distill,
+    interleave,
+    load_seed_prompts,
+    split_per_source,
+    write_instructions,
+)
 from tqdm import tqdm
 
 from specwire.config import default_aux_layers
@@ -43,6 +55,7 @@ from specwire.weights import load_checkpoint
 
 DEFAULT_OUT = "drafter_service/heads/smollm2-135m-eagle"
 FEATURE_LOSS_WEIGHT, TOKEN_LOSS_WEIGHT = 1.0, 0.1  # EAGLE's v_w and p_w
+INSTRUCT_SHARE = 0.4  # of the data budget for writing instructions; answering them is the rest
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -58,13 +71,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--gen-fraction", type=float, default=0.5, help="share of the budget for data (default 0.5)"
     )
     p.add_argument("--max-prompts", type=int, default=0, help="cap on seed prompts used (0 = all)")
-    p.add_argument("--self-instruct", type=int, default=1000, help="new instructions to write (default 1000)")
+    p.add_argument("--self-instruct", type=int, default=4000, help="new instructions to write (default 4000)")
+    p.add_argument(
+        "--max-source-share",
+        type=float,
+        default=0.5,
+        help="most any one prompt source may make of the training and held-out prompts (default 0.5: with "
+        "two large sources, GSM8K and the written instructions, a lower cap shrinks both to a few hundred)",
+    )
     p.add_argument("--max-new-tokens", type=int, default=320)
     p.add_argument(
         "--sample-fraction", type=float, default=0.5, help="responses sampled at T=0.7, not greedy"
     )
     p.add_argument("--gen-batch", type=int, help="concurrent generations (default 128 on cuda, 8 on cpu)")
-    p.add_argument("--holdout", type=float, default=0.03, help="held-out share of prompts (default 0.03)")
+    p.add_argument(
+        "--holdout", type=float, default=0.03, help="held-out share of each source's prompts (default 0.03)"
+    )
     p.add_argument(
         "--epochs", type=int, default=100, help="maximum epochs; the time budget usually ends first"
     )
@@ -90,6 +112,10 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--gen-fraction must be in (0, 1), got {args.gen_fraction}")
     if args.max_minutes <= 0:
         raise ValueError(f"--max-minutes must be > 0, got {args.max_minutes}")
+    if not 0 < args.holdout < 1:
+        raise ValueError(f"--holdout must be in (0, 1), got {args.holdout}")
+    if not 0 < args.max_source_share <= 1:
+        raise ValueError(f"--max-source-share must be in (0, 1], got {args.max_source_share}")
     budget = args.max_minutes * 60
     rng = random.Random(args.seed)
     torch.manual_seed(args.seed)
@@ -99,39 +125,30 @@ def run(args: argparse.Namespace) -> int:
     gen_batch = args.gen_batch or (128 if cuda else 8)
 
     # ---------------------------------------------------------------- data
-    prompts = [p for group in seeds.values() for p in group]
-    rng.shuffle(prompts)
-    if args.max_prompts:
-        prompts = prompts[: args.max_prompts]
-    n_hold = max(1, round(len(prompts) * args.holdout))
-    held_prompts, train_prompts = prompts[:n_hold], prompts[n_hold:]
+    tagged = interleave(seeds, rng)[: args.max_prompts or None]
+    by_source = {name: [p.text for p in tagged if p.source == name] for name in seeds}
+    held_by, train_by = split_per_source(by_source, args.holdout)  # before any seed task is shown as example
+    new, verdicts = [], Counter()
+    instruction_seeds = train_by.get("self_instruct_seed_tasks", [])
+    if args.self_instruct and instruction_seeds:
+        instruct_deadline = t0 + budget * args.gen_fraction * INSTRUCT_SHARE
+        known = [p for group in seeds.values() for p in group]
+        new, verdicts = write_instructions(
+            engine, instruction_seeds, args.self_instruct, rng, instruct_deadline, gen_batch, known
+        )
+    held_new, train_new = split_per_source({GENERATED_SOURCE: new}, args.holdout)
+    available = {**{k: len(v) for k, v in by_source.items()}, GENERATED_SOURCE: len(new)}
+    held_prompts = interleave(cap_source_shares(held_by | held_new, args.max_source_share), rng)
+    train_prompts = interleave(cap_source_shares(train_by | train_new, args.max_source_share), rng)
+    if not held_prompts:
+        raise ValueError(f"--holdout {args.holdout} holds out no prompt: the prompt files are too small")
     if args.write_heldout:
-        lines = [json.dumps({"prompt": p}) for p in held_prompts]
+        lines = [json.dumps({"prompt": p.text, "source": p.source}) for p in held_prompts]
         Path(args.write_heldout).write_text("\n".join(lines) + "\n")
     gen_deadline = t0 + budget * args.gen_fraction
-    held = distill(
-        engine,
-        held_prompts,
-        args.max_new_tokens,
-        args.sample_fraction,
-        rng,
-        gen_deadline,
-        gen_batch,
-        "held-out",
-    )
-    instruction_seeds = [p for p in seeds.get("self_instruct_seed_tasks", []) if p not in held_prompts]
-    new = []
-    if args.self_instruct and instruction_seeds:
-        instruct_deadline = t0 + budget * args.gen_fraction * 0.3
-        new = write_instructions(
-            engine, instruction_seeds, args.self_instruct, rng, instruct_deadline, gen_batch
-        )
-    # Interleave the written instructions with the seed prompts, so a cut-off keeps the mix.
-    pool = new + train_prompts
-    rng.shuffle(pool)
-    train = distill(
-        engine, pool, args.max_new_tokens, args.sample_fraction, rng, gen_deadline, gen_batch, "distill"
-    )
+    distill_args = (args.max_new_tokens, args.sample_fraction, rng, gen_deadline, gen_batch)
+    held = distill(engine, held_prompts, *distill_args, "held-out")
+    train = distill(engine, train_prompts, *distill_args, "distill")
     if not train or not held:
         raise ValueError(f"--max-minutes {args.max_minutes} left no time to generate training data")
     gen_seconds = time.monotonic() - t0
@@ -147,7 +164,9 @@ def run(args: argparse.Namespace) -> int:
         "model": str(args.model or "default SmolLM2-135M-Instruct"),
         "data": {
             "seed_prompt_files": {k: len(v) for k, v in seeds.items()},
-            "self_instruct_written": len(new),
+            "self_instruct": {"requested": args.self_instruct, "written": len(new), **verdicts},
+            "max_source_share": args.max_source_share,
+            "prompts_per_source": _source_counts(available, held_prompts, train_prompts, held, train),
             "train_conversations": len(train),
             "held_out_conversations": len(held),
             "train_tokens": sum(len(s.tokens) for s in train),
@@ -172,12 +191,39 @@ def run(args: argparse.Namespace) -> int:
         out,
         extra={
             "target_tokenizer": engine.tokenizer.fingerprint,
-            "held_out": history[-1] if history else None,
+            "held_out": _without_sources(history[-1]) if history else None,
         },
     )
     (out / "train_log.json").write_text(json.dumps(log, indent=2, default=str) + "\n")
     print(json.dumps({"out": str(out), "steps": trainer.steps, "held_out": history[-1] if history else None}))
     return 0
+
+
+def _source_counts(
+    available: dict[str, int],
+    held_prompts: list[Prompt],
+    train_prompts: list[Prompt],
+    held: list[Sample],
+    train: list[Sample],
+) -> dict[str, dict]:
+    """Per source: prompts available, held out and used for training (after the cap), conversations distilled
+    (a deadline may cut training ones off) and the source's share of the distilled training conversations."""
+    counts = {}
+    for name, n in available.items():
+        n_train = sum(s.source == name for s in train)
+        counts[name] = {
+            "available": n,
+            "held_out_prompts": sum(p.source == name for p in held_prompts),
+            "train_prompts": sum(p.source == name for p in train_prompts),
+            "held_out_conversations": sum(s.source == name for s in held),
+            "train_conversations": n_train,
+            "train_share": round(n_train / max(len(train), 1), 4),
+        }
+    return counts
+
+
+def _without_sources(metrics: dict) -> dict:
+    return {k: v for k, v in metrics.items() if k != "per_source"}
 
 
 def _engine(args: argparse.Namespace) -> TargetEngine:
@@ -360,11 +406,21 @@ class Trainer:
         return result
 
     @torch.no_grad()
-    def evaluate(self, held: list[Sample]) -> dict[str, float]:
-        """Held-out token-weighted loss and top-1 agreement with the target at step 1 and (self-fed) step 2;
-        the acceptance-length proxy 1 + a1 + a1 a2 + a1 a2^2 + a1 a2^3 assumes step 2's rate for steps 3-4."""
+    def evaluate(self, held: list[Sample]) -> dict:
+        """Held-out metrics over all held-out conversations and, under "per_source", for each source."""
+        by_source: dict[str, list[Sample]] = defaultdict(list)
+        for s in held:
+            by_source[s.source].append(s)
+        sums = {name: self._metric_sums(group) for name, group in sorted(by_source.items())}
+        total: Counter = Counter()
+        for part in sums.values():
+            total.update(part)  # update() keeps zero sums, unlike +
+        return {**_metrics(total), "per_source": {name: _metrics(part) for name, part in sums.items()}}
+
+    def _metric_sums(self, samples: list[Sample]) -> Counter:
+        """Position-weighted sums of the losses and top-1 agreements, and the number of positions ("n")."""
         sums: Counter = Counter()
-        for batch in self._batches(held, shuffle=False):
+        for batch in self._batches(samples, shuffle=False):
             with torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.cuda):
                 r = self._losses(batch, noise=0.0)
             n = float(r.pop("positions"))
@@ -372,7 +428,14 @@ class Trainer:
             sums["n"] += n
             for k, v in r.items():
                 sums[k] += float(v) * n
-        metrics = {k: round(v / max(sums["n"], 1), 4) for k, v in sums.items() if k != "n"}
-        a1, a2 = metrics.get("top1_1", 0.0), metrics.get("top1_2", metrics.get("top1_1", 0.0))
-        metrics["acceptance_length_proxy_k4"] = round(1 + a1 * (1 + a2 + a2**2 + a2**3), 3)
-        return metrics
+        return sums
+
+
+def _metrics(sums: Counter) -> dict[str, float]:
+    """Token-weighted loss and top-1 agreement with the target at step 1 and (self-fed) step 2; the
+    acceptance-length proxy 1 + a1 + a1 a2 + a1 a2^2 + a1 a2^3 assumes step 2's rate for steps 3-4."""
+    metrics = {k: round(v / max(sums["n"], 1), 4) for k, v in sums.items() if k != "n"}
+    a1, a2 = metrics.get("top1_1", 0.0), metrics.get("top1_2", metrics.get("top1_1", 0.0))
+    metrics["acceptance_length_proxy_k4"] = round(1 + a1 * (1 + a2 + a2**2 + a2**3), 3)
+    metrics["positions"] = int(sums["n"])  # how much each number rests on
+    return metrics

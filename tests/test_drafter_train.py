@@ -1,13 +1,23 @@
-"""train-eagle on a tiny random target (CPU): runs end to end within its budget, writes a loadable head."""
+"""train-eagle on a tiny random target (CPU): runs end to end within its budget and writes a loadable head
+from a capped, stratified prompt mix. The mix helpers (cap, stratified split, instruction screening) alone."""
 
 import json
+from collections import Counter
 from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 from safetensors.torch import save_file
 from specwire.drafter.eagle_head import load_eagle_head
-from specwire.drafter.self_distill import prompt_text
+from specwire.drafter.self_distill import (
+    cap_source_shares,
+    normalise,
+    prompt_text,
+    screen_instruction,
+    split_per_source,
+)
 
 from specwire.cli import main
 from specwire.config import ModelConfig
@@ -16,12 +26,25 @@ from specwire.model import LlamaModel
 from specwire.tokenizer import load_tokenizer
 from specwire.weights import load_checkpoint
 
-DATA = [  # one record per supported prompt field
+SEED_TASKS = [
     {"instruction": "Name three fruits.", "instances": [{"input": ""}]},
     {"instruction": "Translate to French.", "instances": [{"input": "Good morning"}]},
     {"instruction": "Write a haiku about rain.", "instances": [{"input": ""}]},
     {"instruction": "List two prime numbers.", "instances": [{"input": ""}]},
+    {"instruction": "Describe a cat in one sentence.", "instances": [{"input": ""}]},
+    {"instruction": "Give an antonym of the word.", "instances": [{"input": "cold"}]},
+    {"instruction": "Suggest a name for a bakery.", "instances": [{"input": ""}]},
+    {
+        "instruction": "Summarise the sentence.",
+        "instances": [{"input": "The sun rose over the quiet hills."}],
+    },
 ]
+SOURCES = {  # file stem -> records; GSM8K outnumbers the rest, as in the real data
+    "self_instruct_seed_tasks": SEED_TASKS,
+    "gsm8k_train": [{"question": f"What is {a} + {a + 3}?"} for a in range(12)],
+    "humaneval": [{"prompt": f"def f{i}(x):\n    return x"} for i in range(4)],
+}
+MAX_SHARE = 0.4
 
 
 def write_tiny_target(path: Path, num_layers: int = 6, seed: int = 0) -> Path:
@@ -64,9 +87,8 @@ def tiny_target(tmp_path_factory) -> Path:
 def data_dir(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("data")
     (root / "prompts").mkdir()
-    lines = [json.dumps(r) for r in DATA]
-    (root / "prompts" / "self_instruct_seed_tasks.jsonl").write_text("\n".join(lines) + "\n")
-    (root / "prompts" / "gsm8k_train.jsonl").write_text(json.dumps({"question": "What is 2 + 3?"}) + "\n")
+    for stem, records in SOURCES.items():
+        (root / "prompts" / f"{stem}.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n")
     return root
 
 
@@ -87,7 +109,9 @@ def test_train_eagle_smoke_writes_a_loadable_head(tiny_target, data_dir, tmp_pat
             "--device",
             "cpu",
             "--max-minutes",
-            "0.6",
+            "1",  # generous: the first CPU generations warm up for seconds; the 2 epochs end it early
+            "--gen-fraction",
+            "0.7",
             "--max-new-tokens",
             "12",
             "--self-instruct",
@@ -100,6 +124,8 @@ def test_train_eagle_smoke_writes_a_loadable_head(tiny_target, data_dir, tmp_pat
             "2",
             "--draft-vocab",
             "512",
+            "--max-source-share",
+            str(MAX_SHARE),
             "--write-heldout",
             str(tmp_path / "heldout.jsonl"),
         ]
@@ -108,10 +134,30 @@ def test_train_eagle_smoke_writes_a_loadable_head(tiny_target, data_dir, tmp_pat
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert summary["steps"] > 0
     log = json.loads((out / "train_log.json").read_text())
-    assert log["data"]["train_conversations"] >= 4 and log["data"]["held_out_conversations"] == 1
-    assert 0.0 <= log["held_out"][-1]["top1_1"] <= 1.0
-    heldout = [json.loads(line)["prompt"] for line in (tmp_path / "heldout.jsonl").read_text().splitlines()]
-    assert len(heldout) == 1 and heldout[0] in ["What is 2 + 3?", *map(prompt_text, DATA)]
+    counts = log["data"]["prompts_per_source"]
+    assert set(SOURCES) <= set(counts)
+    for stem, records in SOURCES.items():  # stratified: every source of 4+ prompts is held out on its own
+        assert counts[stem]["available"] == len(records) >= 4
+        assert counts[stem]["held_out_prompts"] >= 1 and counts[stem]["held_out_conversations"] >= 1
+    for kind in ("train_prompts", "held_out_prompts"):  # the cap: no source above MAX_SHARE of the mix
+        total = sum(c[kind] for c in counts.values())
+        assert all(c[kind] <= MAX_SHARE * total for c in counts.values()), (kind, counts)
+    gsm8k = counts["gsm8k_train"]
+    assert gsm8k["train_prompts"] + gsm8k["held_out_prompts"] < gsm8k["available"]  # the cap did bind
+    assert log["data"]["train_conversations"] == sum(c["train_conversations"] for c in counts.values())
+    last = log["held_out"][-1]
+    assert 0.0 <= last["top1_1"] <= 1.0
+    per_source = last["per_source"]
+    assert set(per_source) == {name for name, c in counts.items() if c["held_out_conversations"]}
+    assert all(0.0 <= m["top1_1"] <= 1.0 for m in per_source.values())
+    assert sum(m["positions"] for m in per_source.values()) == last["positions"] > 0
+    lines = [json.loads(line) for line in (tmp_path / "heldout.jsonl").read_text().splitlines()]
+    assert Counter(line["source"] for line in lines) == {
+        name: c["held_out_prompts"] for name, c in counts.items() if c["held_out_prompts"]
+    }
+    for line in lines:
+        if line["source"] in SOURCES:
+            assert line["prompt"] in map(prompt_text, SOURCES[line["source"]])
     config, sd = load_checkpoint(tiny_target)
     head = load_eagle_head(out, config, sd)
     assert head.config.arch == arch
@@ -137,3 +183,88 @@ def test_train_eagle_rejects_bad_budget(tiny_target, data_dir, tmp_path, capsys)
         ]
     )
     assert rc == 2 and "--max-minutes must be > 0" in capsys.readouterr().err
+
+
+def test_cap_source_shares_keeps_the_largest_mix_under_the_share():
+    by_source = {
+        "big": list(range(100)),
+        "mid": list(range(30)),
+        "small": list(range(20)),
+        "tiny": list(range(10)),
+    }
+    capped = cap_source_shares(by_source, 0.3)
+    sizes = {name: len(texts) for name, texts in capped.items()}
+    total = sum(sizes.values())
+    assert max(sizes.values()) <= 0.3 * total
+    assert sizes["small"] == 20 and sizes["tiny"] == 10  # sources under the cap stay whole
+    assert sizes["big"] == sizes["mid"] == 22  # 22 / 74 fits, 23 / 76 would not
+    assert all(capped[name] == texts[: sizes[name]] for name, texts in by_source.items())
+
+
+def test_cap_source_shares_edge_cases():
+    # Two sources cannot both stay under 0.3: the best is an even split.
+    assert cap_source_shares({"a": list("abcdefghij"), "b": list("xyz")}, 0.3) == {
+        "a": list("abc"),
+        "b": list("xyz"),
+    }
+    assert cap_source_shares({"a": list("abcdefghij"), "b": []}, 0.3) == {"a": list("abcdefghij"), "b": []}
+
+
+@given(st.lists(st.integers(0, 300), min_size=1, max_size=6), st.floats(0.05, 1.0))
+def test_cap_source_shares_properties(sizes, share):
+    by_source = {f"s{i}": list(range(n)) for i, n in enumerate(sizes)}
+    capped = {name: len(texts) for name, texts in cap_source_shares(by_source, share).items()}
+    k = sum(n > 0 for n in sizes)
+    limit = max(share, 1 / max(k, 1))
+    total = sum(capped.values())
+    assert max(capped.values()) <= limit * total + 1e-6
+    cap = max(capped.values())
+    cut = [name for name, n in capped.items() if n < len(by_source[name])]
+    assert all(capped[name] == cap for name in cut)  # only the largest are cut, to one common size
+    if cut:  # and that size is the largest that fits: one more each would break the share
+        assert cap + 1 > limit * sum(min(len(texts), cap + 1) for texts in by_source.values())
+
+
+def test_split_per_source_is_stratified_and_disjoint():
+    by_source = {"big": [f"b{i}" for i in range(1000)], "mid": [f"m{i}" for i in range(40)]}
+    by_source |= {"small": ["s0", "s1", "s2", "s3"], "single": ["only"], "empty": []}
+    held, train = split_per_source(by_source, 0.03)
+    for name, texts in by_source.items():
+        assert held[name] + train[name] == texts  # a split of the shuffled list, nothing lost or shared
+        if len(texts) >= 4:
+            assert held[name] and train[name]
+    assert len(held["big"]) == 30  # the holdout share
+    assert len(held["mid"]) == 10  # the per-source floor, min(16, 40 // 4), lifts 0.03 x 40
+    assert held["single"] == [] and train["single"] == ["only"]
+
+
+def test_screen_instruction_drops_degenerate_and_near_duplicates():
+    seen = {normalise("Name three fruits.")}
+    verdicts = [
+        screen_instruction(text, seen)
+        for text in [
+            "Write a poem about the sea.",
+            "write a poem about the SEA!",  # case and punctuation
+            "4. Write a poem   about the sea",  # list marker and spacing
+            "Name three fruits",  # a seed task copied back
+            "",
+            "Hello there",
+            "Write write write a story about a dog.",
+            "a poem a poem a poem a poem a poem",
+            "Write one new task that is different from these.",  # the request echoed
+            "Explain why the sky is blue to a child.",
+        ]
+    ]
+    assert verdicts == [
+        "kept",
+        "duplicate",
+        "duplicate",
+        "duplicate",
+        "degenerate",
+        "degenerate",
+        "degenerate",
+        "degenerate",
+        "degenerate",
+        "kept",
+    ]
+    assert normalise("Explain why the sky is blue to a child.") in seen
