@@ -24,6 +24,7 @@ from shapes import SHAPES  # bench/shapes.py: scripts run as `python bench/<name
 from specwire.default_model import default_model_path
 from specwire.engine import TargetEngine, default_dtype, parse_device
 from specwire.sampling_params import SamplingParams
+from specwire.weights import checkpoint_shapes
 
 PROMPTS = [
     "Explain how a bicycle stays upright.",
@@ -171,9 +172,7 @@ def event_time(fn, repeats: int) -> float:
 def synthetic_engine(name: str, device: torch.device, max_slots: int, max_context: int) -> TargetEngine:
     """Random bf16 weights with a real model's shapes, built on the device (nothing to download)."""
     config = SHAPES[name]
-    from specwire.model import LlamaModel
-
-    shapes = LlamaModel(config, device="meta").expected_shapes()
+    shapes = checkpoint_shapes(config)
     gen = torch.Generator(device=device).manual_seed(0)
     state = {
         n: (torch.ones(s, dtype=torch.bfloat16, device=device) if len(s) == 1

@@ -159,16 +159,12 @@ class LlamaModel(nn.Module):
 
     # ------------------------------------------------------------------------------------------ weights
 
-    def expected_shapes(self) -> dict[str, tuple[int, ...]]:
-        """Hugging Face tensor name -> shape for this config."""
-        return checkpoint_shapes(self.config)
-
     def _check_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
         # Tolerated extras: old checkpoints store RoPE buffers; some tied checkpoints still store lm_head.
         tied = self.config.tie_word_embeddings
         kept = {n: t for n, t in state_dict.items()
                 if not n.endswith("rotary_emb.inv_freq") and not (tied and n == "lm_head.weight")}
-        check_tensors(kept, self.expected_shapes(), "checkpoint")
+        check_tensors(kept, checkpoint_shapes(self.config), "checkpoint")
 
     @torch.no_grad()
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:

@@ -12,7 +12,8 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRot
 
 from specwire.config import ModelConfig, default_aux_layers
 from specwire.errors import ModelLoadError
-from specwire.model import KVCache, LlamaModel
+from specwire.model import KVCache
+from specwire.weights import checkpoint_shapes
 
 # head_dim 16: the smallest the Triton attention kernel takes (the GPU test shares these shapes).
 H, HEADS, KV_HEADS, INTER, VOCAB, DRAFT_VOCAB, LAYERS = 64, 4, 2, 96, 96, 40, 8
@@ -37,7 +38,7 @@ def tiny_target(seed: int = 0) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
         eos_token_ids=(),
     )
     g = torch.Generator().manual_seed(seed)
-    shapes = LlamaModel(config, device="meta").expected_shapes()
+    shapes = checkpoint_shapes(config)
     return config, {n: torch.randn(s, generator=g) * 0.3 for n, s in shapes.items()}
 
 

@@ -22,9 +22,8 @@ from specwire.drafter.self_distill import (
 from specwire.cli import main
 from specwire.config import ModelConfig
 from specwire.default_model import default_model_path
-from specwire.model import LlamaModel
 from specwire.tokenizer import load_tokenizer
-from specwire.weights import load_checkpoint
+from specwire.weights import checkpoint_shapes, load_checkpoint
 
 SEED_TASKS = [
     {"instruction": "Name three fruits.", "instances": [{"input": ""}]},
@@ -68,7 +67,7 @@ def write_tiny_target(path: Path, num_layers: int = 6, seed: int = 0) -> Path:
     }
     config = ModelConfig.from_hf_dict(hf)
     g = torch.Generator().manual_seed(seed)
-    shapes = LlamaModel(config, device="meta").expected_shapes()
+    shapes = checkpoint_shapes(config)
     save_file({n: torch.randn(s, generator=g) * 0.5 for n, s in shapes.items()}, path / "model.safetensors")
     (path / "config.json").write_text(json.dumps(hf))
     tok.backend.save(str(path / "tokenizer.json"))

@@ -8,8 +8,8 @@ from specwire.config import ModelConfig
 from specwire.default_model import default_model_path
 from specwire.engine import TargetEngine, capture_sizes
 from specwire.errors import ModelLoadError
-from specwire.model import LlamaModel
 from specwire.sampling_params import SamplingParams
+from specwire.weights import checkpoint_shapes
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -31,7 +31,7 @@ def tiny_checkpoint(seed: int = 0) -> tuple[ModelConfig, dict[str, torch.Tensor]
         tie_word_embeddings=False, attention_bias=False, bos_token_id=None, eos_token_ids=(),
     )
     gen = torch.Generator().manual_seed(seed)
-    shapes = LlamaModel(config, device="meta").expected_shapes()
+    shapes = checkpoint_shapes(config)
     # Norm weights near 1, the rest near 0: non-trivial everywhere.
     state = {n: float(len(s) == 1) + 0.1 * torch.randn(s, generator=gen) for n, s in shapes.items()}
     return config, state

@@ -5,6 +5,7 @@ import torch
 
 from specwire.config import ModelConfig
 from specwire.model import KVCache, LlamaModel
+from specwire.weights import checkpoint_shapes
 
 CONFIG = ModelConfig(
     vocab_size=300, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -21,7 +22,7 @@ def build_model(device: str, dtype: torch.dtype = torch.float32) -> LlamaModel:
     m = LlamaModel(CONFIG, dtype, device)
     m.load_weights({
         name: (1.0 if len(shape) == 1 and "norm" in name else 0.0) + 0.15 * torch.randn(shape, generator=gen)
-        for name, shape in m.expected_shapes().items()
+        for name, shape in checkpoint_shapes(m.config).items()
     })
     return m
 

@@ -25,11 +25,11 @@ from specwire.config import ModelConfig
 from specwire.default_model import default_model_path
 from specwire.engine import TargetEngine
 from specwire.metrics import DrafterMetrics, VerifierMetrics
-from specwire.model import LlamaModel
 from specwire.tokenizer import load_tokenizer
 from specwire.v1 import drafter_pb2 as dpb
 from specwire.v1 import drafter_pb2_grpc, generation_pb2_grpc
 from specwire.v1 import generation_pb2 as pb
+from specwire.weights import checkpoint_shapes
 
 VOCAB, H = 49152, 64
 MAX_CONTEXT = 160
@@ -46,7 +46,7 @@ def tiny_target() -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     )
     g = torch.Generator().manual_seed(0)
     sd = {}
-    for name, shape in LlamaModel(config, device="meta").expected_shapes().items():
+    for name, shape in checkpoint_shapes(config).items():
         if name.endswith("norm.weight"):
             sd[name] = torch.ones(shape)
         elif name.endswith(("o_proj.weight", "down_proj.weight")):
