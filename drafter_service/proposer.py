@@ -22,7 +22,7 @@ from specwire.drafter.draft_sampling import sample_drafts
 from specwire.drafter.eagle_head import EagleHead
 from specwire.kernels.rejection_sampler import DraftProbs
 
-from specwire.engine import on_own_device
+from specwire.engine import capture, on_own_device
 from specwire.model import KVCache
 
 
@@ -291,7 +291,7 @@ class EagleProposer:
             torch.cuda.synchronize()
             for size in reversed(self.graph_sizes):  # largest first, so smaller graphs reuse its memory
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
+                with capture(graph, pool):
                     self._draft_loop(size, mode)
                 pool = graph.pool()
                 self.graphs[size, mode] = graph

@@ -61,6 +61,13 @@ def on_own_device(method: Callable) -> Callable:
     return wrapper
 
 
+def capture(graph: torch.cuda.CUDAGraph, pool=None) -> torch.cuda.graph:
+    """torch.cuda.graph on a fresh stream of the current device. torch's default capture stream is one per
+    process, made on whichever device captured first, and entering it makes that device current: a model on
+    a second GPU of the same process would then launch its Triton kernels against the first one."""
+    return torch.cuda.graph(graph, pool=pool, stream=torch.cuda.Stream())
+
+
 def default_dtype(device: torch.device) -> torch.dtype:
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 
@@ -131,7 +138,7 @@ class StepGraphs:
             torch.cuda.synchronize()
             for size in reversed(self.sizes):  # largest first, so smaller graphs reuse its pool memory
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
+                with capture(graph, pool):
                     self.outputs[size] = step(size)
                 pool = graph.pool()
                 self.graphs[size] = graph

@@ -461,11 +461,6 @@ def test_greedy_without_overlap_equals_target_only(world):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.xfail(strict=False, reason=(
-    "known failure, 2026-11-22 on 2 x H200: with drafter (cuda:0) and verifier (cuda:1) in ONE process, the "
-    "verifier's graph warm-up gets 'Pointer argument cannot be accessed from Triton' although it runs inside "
-    "torch.cuda.device(cuda:1); one process per GPU (bench/bench_services.py, the deployment shape) passes "
-    "with 100% greedy equality. Not yet diagnosed."))
 def test_gpu_services_greedy_equals_target_only(world):
     """Drafter on the first GPU, verifier on the last: CUDA graphs (decode and drafting), the Triton
     sampler, features crossing devices. float32 weights so that greedy ties cannot differ."""
