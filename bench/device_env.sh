@@ -4,8 +4,9 @@
 ln -sfn "$PWD/kernels" specwire/kernels
 ln -sfn "$PWD/drafter_service" specwire/drafter
 ln -sfn "$PWD/verifier_service" specwire/verifier
-if ls .devcarry/wheels/*.whl >/dev/null 2>&1; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .devcarry/wheels/*.whl
+wheels=$(ls .devcarry/wheels/*.whl .devcarry/wmin/*.whl 2>/dev/null)  # whichever set was carried
+if [ -n "$wheels" ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site $wheels
 fi
 export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
