@@ -6,16 +6,20 @@ plus one token: the recovered token at the first rejection, or the bonus token w
 
 Rules, per row (p = target distribution after temperature, top-k and top-p; q = draft distribution):
 - greedy (temperature 0): accept iff draft == argmax(logits) (lowest index on ties); emit the argmax.
-- random: accept iff u * q(x) < p(x), i.e. with probability min(1, p(x) / q(x)); on rejection sample from
-  norm(max(0, p - q)). q(x) = 0 with p(x) > 0 always accepts; p(x) = 0 always rejects.
+- random, dense or sparse q: accept iff u * q(x) < p(x), i.e. with probability min(1, p(x) / q(x)); on
+  rejection sample from norm(max(0, p - q)). q(x) = 0 with p(x) > 0 always accepts; p(x) = 0 always rejects.
+- random, one-hot q (draft_probs None): the row's token y is the race winner over p, the very token
+  target-only sampling draws at that position; accept iff x == y, and emit y either way. This accepts with
+  probability p(x), as min(1, p(x) / 1) does, and is lossless for any x; seeded output does not depend on
+  the drafts at all.
 - bonus rows, and draft rows whose id is invalid (-1 padding or >= V), sample from p; an invalid draft
   counts as rejected, so nothing after it is accepted.
 - synthetic mode replaces the acceptance test by u < rate[j] (for benchmarks); emitted tokens follow the
-  same rules.
+  same rules (with one-hot q a rejected row emits y, which may equal x).
 
 Sampling is an exponential race, argmax_i w_i / E_i with E_i = -log(u_i), which needs no normalisation.
 For p it runs in log space, key_i = z_i - log(E_i) with z = logits / temperature; for the residual
-of a sparse or one-hot q the support S gets keys m + log(s) + log(max(0, p_i - q_i)) - log(E_i) on the
+of a sparse q the support S gets keys m + log(s) + log(max(0, p_i - q_i)) - log(E_i) on the
 same scale (m, s: softmax max and sum); for a dense q the keys are max(0, p_i - q_i) / E_i. If rounding
 leaves the residual with no mass (p <= q everywhere), the token is sampled from p (same draws).
 
@@ -181,18 +185,19 @@ def _random_rows(batch: SamplerBatch, logits: torch.Tensor, rows: torch.Tensor, 
     z = logits[rows] * (1.0 / batch.temperature[req])[:, None]
     if batch.thresholds is not None:
         z = torch.where(z >= batch.thresholds[rows][:, None], z, NEG_INF)
+    E = -torch.log(token_uniforms(batch.seed[req], batch.positions[req] + layout.index[rows], V))
+    race = z - torch.log(E)  # over p: rows without a (valid) draft, one-hot q, the empty-residual fallback
+    q = batch.draft_probs
+    if q is None:  # one-hot q: the race winner is the row's token; the draft passes iff it won
+        winner = race.argmax(1)
+        accept = valid & ((u_accept[rows] < rate[rows]) if rate is not None else (x == winner))
+        return torch.where(accept, x, winner), accept
     m = z.max(1).values
     s = torch.exp(z - m[:, None]).sum(1)
     inv_s = 1.0 / s
     p_x = torch.exp(z.gather(1, xs[:, None]).squeeze(1) - m) * inv_s
-    E = -torch.log(token_uniforms(batch.seed[req], batch.positions[req] + layout.index[rows], V))
-    race = z - torch.log(E)  # race over p: rows without a (valid) draft, and the empty-residual fallback
-    key = race.clone()
-    q, empty_key = batch.draft_probs, NEG_INF
-    if q is None:  # one-hot q: accept with p(x); the residual is p without x
-        q_x = torch.ones_like(p_x)
-        key[valid, xs[valid]] = NEG_INF
-    elif q.is_dense:
+    key, empty_key = race, NEG_INF
+    if q.is_dense:
         q_rows = q.probs[d]
         check_probs("draft_probs", q_rows[valid])
         q_x = q_rows.gather(1, xs[:, None]).squeeze(1)

@@ -1,10 +1,11 @@
 """The rejection sampler as one Triton kernel; semantics in rejection_sampler_ref (the oracle).
 
 One program per target row. Pass 1 streams the row's logits once: the online softmax max and sum (only
-when the row checks a draft), the argmax (greedy rows), and the exponential race for the row's sample, in
-log space so it needs no normalisation. A sparse or one-hot q is handled in the same pass: its support S
-is excluded from the race (a per-row bitmap for sparse) and re-enters with residual keys computed from the
-K entries afterwards. A dense q needs the normalised p inside max(0, p - q), so a second pass runs, but
+when the row checks a draft against a dense or sparse q), the argmax (greedy rows), and the exponential race
+for the row's sample, in log space so it needs no normalisation. With a one-hot q the race winner is the
+row's token and the draft passes iff it won, so one pass decides the row. A sparse q is handled in the same
+pass: its support S is excluded from the race (a per-row bitmap) and re-enters with residual keys computed
+from the K entries afterwards. A dense q needs the normalised p inside max(0, p - q), so a second pass runs, but
 only in rows whose own acceptance test failed. If rounding leaves a residual without mass, one more pass
 samples from p (rare). Vocab draws come four per Philox call.
 
@@ -109,9 +110,9 @@ def _mark_support(bitmap_ptr, idx_ptr, K, W, V, enabled, BLOCK_K: tl.constexpr, 
 
 
 @triton.jit
-def _race_pass(row_ptr, V, inv_t, theta, seed, pos, x, exclude, need_softmax, need_race, bitmap_ptr,
+def _race_pass(row_ptr, V, inv_t, theta, seed, pos, exclude, need_softmax, need_race, bitmap_ptr,
                Q_MODE: tl.constexpr, HAS_THETA: tl.constexpr, BQ: tl.constexpr):
-    """One pass: softmax max/sum (if need_softmax); the race over p, minus q's support if exclude."""
+    """One pass: softmax max/sum (if need_softmax); the race over p, minus a sparse q's support if exclude."""
     offs0 = tl.arange(0, BQ)[:, None] * 4 + tl.arange(0, 4)[None, :]
     m, s = _scalar(float("-inf"), tl.float32), _scalar(0.0, tl.float32)
     best, best_idx, bad = _scalar(float("-inf"), tl.float32), _scalar(0, tl.int32), _scalar(0, tl.int32)
@@ -132,8 +133,6 @@ def _race_pass(row_ptr, V, inv_t, theta, seed, pos, x, exclude, need_softmax, ne
         if need_race:
             u = _tile_uniforms(seed, pos, start, BQ)
             key = z - tl.log(-tl.log(u))
-            if Q_MODE == 0:
-                key = tl.where((offs == x) & exclude, float("-inf"), key)
             if Q_MODE == 2:
                 word = tl.load(bitmap_ptr + offs // 32, mask=offs < tl.where(exclude, V, 0), other=0,
                                cache_modifier=".cg")
@@ -203,53 +202,58 @@ def _rejection_kernel(
         bitmap_row = bitmap_ptr + d * stride_bitmap
         if Q_MODE == 2:
             _mark_support(bitmap_row, q_idx_ptr + d * stride_q_idx, K, W, V, valid, BLOCK_K, BLOCK_W)
-        # A checked draft row of a dense q races only in the residual pass.
+        # One-hot q needs no softmax; a checked draft row of a dense q races only in the residual pass.
+        need_softmax = valid & (Q_MODE != 0)
         need_race = (valid == 0) if Q_MODE == 1 else (valid | True)
-        m, s, best, best_idx, bad = _race_pass(row_ptr, V, inv_t, theta, seed, pos, x, valid, valid,
+        m, s, best, best_idx, bad = _race_pass(row_ptr, V, inv_t, theta, seed, pos, valid, need_softmax,
                                                need_race, bitmap_row, Q_MODE, HAS_THETA, BQ)
         bad = bad | (tl.maximum(m, best) == float("-inf")).to(tl.int32)
-        inv_s = tl.math.div_rn(1.0, s)
-        z_x = tl.load(row_ptr + x_safe).to(tl.float32) * inv_t
-        if HAS_THETA:
-            z_x = tl.where(z_x >= theta, z_x, float("-inf"))
-        p_x = tl.exp(z_x - m) * inv_s
-        q_x = 1.0
-        if Q_MODE == 1:
-            q_x = tl.load(q_ptr + d * stride_q + x_safe, mask=valid, other=0.0)
-            bad = bad | (valid & (~(q_x >= 0) | (q_x == float("inf")))).to(tl.int32)
-        if Q_MODE == 2:
-            kk = tl.arange(0, BLOCK_K)
-            idx = tl.load(q_idx_ptr + d * stride_q_idx + kk, mask=kk < tl.where(valid, K, 0), other=-1)
-            in_vocab = (idx >= 0) & (idx < V)
-            val = tl.load(q_ptr + d * stride_q + kk, mask=in_vocab, other=0.0)
-            bad = bad | tl.max((in_vocab & (~(val >= 0) | (val == float("inf")))).to(tl.int32), 0)
-            q_x = tl.sum(tl.where(in_vocab & (idx == x), val, 0.0), 0)
-            # The support re-enters the race with residual keys, on the scale of the log-space keys.
-            idx_c = tl.where(in_vocab, idx, 0).to(tl.int32)
-            z_s = tl.load(row_ptr + idx_c, mask=in_vocab, other=float("-inf")).to(tl.float32) * inv_t
+        if Q_MODE == 0:  # the race winner is the row's token; the draft passes iff it won
+            accept = valid & ((u_accept < rate) if HAS_RATE else (x == best_idx))
+            token = tl.where(accept, x, best_idx.to(tl.int64))
+        else:
+            inv_s = tl.math.div_rn(1.0, s)
+            z_x = tl.load(row_ptr + x_safe).to(tl.float32) * inv_t
             if HAS_THETA:
-                z_s = tl.where(z_s >= theta, z_s, float("-inf"))
-            residual = tl.maximum(tl.exp(z_s - m) * inv_s - val, 0.0)
-            e_s = -tl.log(_entry_uniforms(seed, pos, idx_c))
-            key_s = m + tl.log(s) + tl.log(residual) - tl.log(e_s)
-            key_s = tl.where(in_vocab, key_s, float("-inf"))
-            best_s = tl.max(key_s, 0)
-            idx_s = tl.min(tl.where(key_s == best_s, idx_c, V), 0)
-            take_s = (best_s > best) | ((best_s == best) & (idx_s < best_idx) & (best_s > float("-inf")))
-            best, best_idx = tl.where(take_s, best_s, best), tl.where(take_s, idx_s, best_idx)
-        accept = valid & ((u_accept < rate) if HAS_RATE else (u_accept * q_x < p_x))
-        recovered, empty = best_idx.to(tl.int64), best == float("-inf")
-        if Q_MODE == 1:  # noqa: SIM102 (a constexpr and a runtime condition cannot share one Triton `if`)
-            if valid & (accept == 0):
-                best, best_idx, q_bad = _dense_residual_pass(row_ptr, q_ptr + d * stride_q, V, inv_t, theta,
-                                                             m, inv_s, seed, pos, HAS_THETA, BQ)
-                recovered, empty = best_idx.to(tl.int64), best == 0.0
-                bad = bad | q_bad
-        if valid & (accept == 0) & empty:  # rounding left the residual no mass: sample from p (rare)
-            _, _, _, best_idx, _ = _race_pass(row_ptr, V, inv_t, theta, seed, pos, x, False, False, True,
-                                              bitmap_row, Q_MODE, HAS_THETA, BQ)
-            recovered = best_idx.to(tl.int64)
-        token = tl.where(accept, x, recovered)
+                z_x = tl.where(z_x >= theta, z_x, float("-inf"))
+            p_x = tl.exp(z_x - m) * inv_s
+            q_x = 1.0
+            if Q_MODE == 1:
+                q_x = tl.load(q_ptr + d * stride_q + x_safe, mask=valid, other=0.0)
+                bad = bad | (valid & (~(q_x >= 0) | (q_x == float("inf")))).to(tl.int32)
+            if Q_MODE == 2:
+                kk = tl.arange(0, BLOCK_K)
+                idx = tl.load(q_idx_ptr + d * stride_q_idx + kk, mask=kk < tl.where(valid, K, 0), other=-1)
+                in_vocab = (idx >= 0) & (idx < V)
+                val = tl.load(q_ptr + d * stride_q + kk, mask=in_vocab, other=0.0)
+                bad = bad | tl.max((in_vocab & (~(val >= 0) | (val == float("inf")))).to(tl.int32), 0)
+                q_x = tl.sum(tl.where(in_vocab & (idx == x), val, 0.0), 0)
+                # The support re-enters the race with residual keys, on the scale of the log-space keys.
+                idx_c = tl.where(in_vocab, idx, 0).to(tl.int32)
+                z_s = tl.load(row_ptr + idx_c, mask=in_vocab, other=float("-inf")).to(tl.float32) * inv_t
+                if HAS_THETA:
+                    z_s = tl.where(z_s >= theta, z_s, float("-inf"))
+                residual = tl.maximum(tl.exp(z_s - m) * inv_s - val, 0.0)
+                e_s = -tl.log(_entry_uniforms(seed, pos, idx_c))
+                key_s = m + tl.log(s) + tl.log(residual) - tl.log(e_s)
+                key_s = tl.where(in_vocab, key_s, float("-inf"))
+                best_s = tl.max(key_s, 0)
+                idx_s = tl.min(tl.where(key_s == best_s, idx_c, V), 0)
+                take_s = (best_s > best) | ((best_s == best) & (idx_s < best_idx) & (best_s > float("-inf")))
+                best, best_idx = tl.where(take_s, best_s, best), tl.where(take_s, idx_s, best_idx)
+            accept = valid & ((u_accept < rate) if HAS_RATE else (u_accept * q_x < p_x))
+            recovered, empty = best_idx.to(tl.int64), best == float("-inf")
+            if Q_MODE == 1:  # noqa: SIM102 (a constexpr and a runtime condition cannot share one Triton `if`)
+                if valid & (accept == 0):
+                    best, best_idx, q_bad = _dense_residual_pass(row_ptr, q_ptr + d * stride_q, V, inv_t,
+                                                                 theta, m, inv_s, seed, pos, HAS_THETA, BQ)
+                    recovered, empty = best_idx.to(tl.int64), best == 0.0
+                    bad = bad | q_bad
+            if valid & (accept == 0) & empty:  # rounding left the residual no mass: sample from p (rare)
+                _m, _s, _best, p_idx, _bad = _race_pass(row_ptr, V, inv_t, theta, seed, pos, False, False,
+                                                        True, bitmap_row, Q_MODE, HAS_THETA, BQ)
+                recovered = p_idx.to(tl.int64)
+            token = tl.where(accept, x, recovered)
 
     tl.store(row_token_ptr + r, token)
     tl.store(row_accept_ptr + r, accept.to(tl.int8))

@@ -210,6 +210,44 @@ def test_zero_probabilities(backend):
         assert tokens[0] == 6
 
 
+def _target_only_rows(batch: dict, backend: str) -> torch.Tensor:
+    """The target-only sample of every target row: each row alone, at its own position, no drafts."""
+    nd = batch["num_drafts"].long()
+    request = torch.repeat_interleave(torch.arange(nd.numel()), nd + 1)
+    first_row = torch.cumsum(nd + 1, 0) - (nd + 1)
+    index = torch.arange(request.numel()) - first_row[request]
+    R = request.numel()
+    out = rejection_sample(
+        batch["target_logits"], torch.zeros(0, dtype=torch.long), torch.zeros(R, dtype=torch.int32), None,
+        *(batch[name][request] for name in ("temperature", "top_k", "top_p", "seed")),
+        batch["positions"][request] + index, backend=backend)
+    return out.tokens[:, 0]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_one_hot_drafts_emit_exactly_the_target_only_sample(backend):
+    """Whatever the drafts (here half of them the target-only token, the rest random or invalid ids), a
+    request emits the target-only samples of its positions, and accepts exactly the leading drafts that
+    equal them."""
+    V = 50
+    for seed in range(3):
+        batch = make_batch(12, V, 4, "none", seed=seed, greedy_frac=0.25, filter_frac=0.4)
+        expected = _target_only_rows(batch, backend)
+        nd = batch["num_drafts"].long()
+        draft_rows = _draft_rows(nd)
+        g = torch.Generator().manual_seed(seed)
+        random_ids = torch.randint(-1, V + 1, (draft_rows.numel(),), generator=g)
+        match = torch.rand(draft_rows.numel(), generator=g) < 0.6
+        batch["draft_token_ids"] = torch.where(match, expected[draft_rows], random_ids)
+        out = rejection_sample(**batch, backend=backend)
+        first_row, first_draft = torch.cumsum(nd + 1, 0) - (nd + 1), torch.cumsum(nd, 0) - nd
+        for b in range(nd.numel()):
+            drafts = batch["draft_token_ids"][first_draft[b]: first_draft[b] + nd[b]].tolist()
+            target = expected[first_row[b]: first_row[b] + nd[b] + 1].tolist()
+            accepted = next((j for j in range(len(drafts)) if drafts[j] != target[j]), len(drafts))
+            assert out.tokens[b, : int(out.num_tokens[b])].tolist() == target[: accepted + 1], (seed, b)
+
+
 def test_thresholds_keep_exactly_top_k_and_top_p():
     g = torch.Generator().manual_seed(3)
     for _ in range(20):
@@ -395,8 +433,9 @@ def _acceptance_rate(draft_probs_reach_sampler: bool, N: int = 40_000) -> tuple[
 
 
 def test_acceptance_rate_uses_draft_probs():
-    """Seed 001: without q the sampler stays lossless (one-hot drafts) but accepts at sum p q, not
-    sum min(p, q). The rate check tells the two apart."""
+    """Seed 001: without q the sampler stays lossless (one-hot drafts: it emits the target-only sample y and
+    accepts iff x == y, which for x ~ q happens with probability sum p q, not sum min(p, q)). The rate check
+    tells the two apart."""
     N = 40_000
     for reach in (True, False):
         rate, with_q, without_q = _acceptance_rate(reach, N)
