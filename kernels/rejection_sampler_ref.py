@@ -74,22 +74,52 @@ class DraftProbs:
 
 @dataclass(frozen=True)
 class SampleOutput:
-    tokens: torch.Tensor  # [B, max_k + 1] int64, accepted drafts + one token, padded with -1
-    num_tokens: torch.Tensor  # [B] int32 = accepted + 1
+    """Per request, its count of emitted tokens (accepted + 1) and then the tokens, padded with -1, in one
+    int64 tensor [B, max_k + 2]: the host reads a batch's result with one copy. A count of -1 marks a
+    request whose rows held NaN/inf input, left for token_lists() or check() to raise (the kernel's path)."""
+
+    packed: torch.Tensor
+
+    @property
+    def tokens(self) -> torch.Tensor:
+        """[B, max_k + 1] int64: accepted drafts + one token, padded with -1."""
+        return self.packed[:, 1:]
+
+    @property
+    def num_tokens(self) -> torch.Tensor:
+        """[B] int32 = accepted + 1."""
+        return self.packed[:, 0].int()
+
+    def check(self) -> None:
+        """Raise SamplerInputError if a request's rows held bad input (waits for the device)."""
+        bad = torch.nonzero(self.packed[:, 0] < 0).squeeze(1)
+        if bad.numel() > 0:
+            raise _bad_requests(bad.tolist())
+
+    def token_lists(self) -> list[list[int]]:
+        """Each request's emitted tokens, read with one device-to-host copy; raises as check() does."""
+        rows = self.packed.tolist()
+        if bad := [b for b, row in enumerate(rows) if row[0] < 0]:
+            raise _bad_requests(bad)
+        return [row[1: 1 + row[0]] for row in rows]
+
+
+def _bad_requests(requests: list[int]) -> SamplerInputError:
+    return SamplerInputError(f"target rows of requests {requests[:8]} hold NaN/+inf logits, no finite logit, "
+                             "or NaN/inf/negative draft probabilities")
 
 
 @dataclass(frozen=True)
 class SamplerBatch:
-    """Validated inputs on one device (built by rejection_sampler.rejection_sample)."""
+    """Validated inputs on the logits' device (built by rejection_sampler.prepare_batch)."""
 
     logits: torch.Tensor  # [R, V] float, R = sum(k_b + 1)
     draft_ids: torch.Tensor  # [D] int64
-    num_drafts: torch.Tensor  # [B] int64
+    cu_drafts: torch.Tensor  # [B + 1] int64: request b's drafts are draft_ids[cu_drafts[b]:cu_drafts[b + 1]]
+    row_request: torch.Tensor  # [R] int64, the request of each target row
     max_drafts: int
     draft_probs: DraftProbs | None
     temperature: torch.Tensor  # [B] float32, 0 = greedy
-    top_k: torch.Tensor  # [B] int64, 0 = off
-    top_p: torch.Tensor  # [B] float32
     seed: torch.Tensor  # [B] int64
     positions: torch.Tensor  # [B] int64
     synthetic: torch.Tensor | None  # [>= max_drafts] float32 acceptance rate per draft position
@@ -104,16 +134,12 @@ class RowLayout:
     has_draft: torch.Tensor  # [R] j < k_b
 
 
-def row_layout(num_drafts: torch.Tensor, num_rows: int) -> RowLayout:
-    num_drafts = num_drafts.long()
-    device = num_drafts.device
-    request = torch.repeat_interleave(torch.arange(num_drafts.numel(), device=device), num_drafts + 1,
-                                      output_size=num_rows)
-    first_row = torch.cumsum(num_drafts + 1, 0) - (num_drafts + 1)
-    first_draft = torch.cumsum(num_drafts, 0) - num_drafts
-    index = torch.arange(num_rows, device=device) - first_row[request]
-    has_draft = index < num_drafts[request]
-    draft = (first_draft[request] + index).clamp(0, max(int(num_drafts.sum()) - 1, 0))
+def row_layout(batch: SamplerBatch) -> RowLayout:
+    request, cu = batch.row_request, batch.cu_drafts
+    first_draft = cu[request]
+    index = torch.arange(request.numel(), device=request.device) - first_draft - request  # row = draft + b
+    has_draft = index < cu[request + 1] - first_draft
+    draft = (first_draft + index).clamp(0, max(batch.draft_ids.numel() - 1, 0))
     return RowLayout(request, index, draft, has_draft)
 
 
@@ -130,29 +156,23 @@ def accept_uniforms(seed: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
     return u[..., 0]
 
 
-def logit_thresholds(logits: torch.Tensor, request: torch.Tensor, temperature: torch.Tensor,
-                     top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor | None:
-    """Per-row z threshold for top-k then top-p (HF order), or None when no random row filters.
+def logit_thresholds(logits: torch.Tensor, rows: torch.Tensor, inv_temperature: torch.Tensor,
+                     top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Per-row z threshold for top-k then top-p (HF order); -inf (keep all) outside the given rows.
 
-    Top-k keeps the k largest z; top-p then keeps the smallest prefix of the sorted, top-k-renormalised
-    distribution whose mass reaches top_p. Only rows that filter are sorted.
+    rows [F] are the rows that filter, with their 1 / temperature, top_k in [1, V] and top_p. Top-k keeps the
+    k largest z; top-p then keeps the smallest prefix of the sorted, top-k-renormalised distribution whose
+    mass reaches top_p. Only these rows are sorted; nothing here waits for the device.
     """
     V = logits.shape[1]
-    filters = (temperature > 0) & (((top_k > 0) & (top_k < V)) | (top_p < 1))
-    rows = torch.nonzero(filters[request]).squeeze(1)
-    if rows.numel() == 0:
-        return None
-    req = request[rows]
-    z = logits[rows].float() * (1.0 / temperature[req])[:, None]
+    z = logits.index_select(0, rows).float() * inv_temperature[:, None]
     z_sorted = z.sort(dim=1, descending=True).values
-    k = torch.where(top_k[req] > 0, top_k[req].clamp(max=V), V)
-    in_top_k = torch.arange(V, device=z.device)[None, :] < k[:, None]
+    in_top_k = torch.arange(V, device=z.device)[None, :] < top_k[:, None]
     probs = torch.softmax(z_sorted.masked_fill(~in_top_k, NEG_INF), dim=1)
     mass_before = probs.cumsum(1) - probs
-    kept = ((mass_before < top_p[req][:, None]) & in_top_k).sum(1).clamp(min=1)
+    kept = ((mass_before < top_p[:, None]) & in_top_k).sum(1).clamp(min=1)
     thresholds = torch.full((logits.shape[0],), NEG_INF, dtype=torch.float32, device=logits.device)
-    thresholds[rows] = z_sorted.gather(1, (kept - 1)[:, None]).squeeze(1)
-    return thresholds
+    return thresholds.scatter_(0, rows, z_sorted.gather(1, (kept - 1)[:, None]).squeeze(1))
 
 
 def check_logits(logits: torch.Tensor) -> None:
@@ -225,11 +245,11 @@ def _random_rows(batch: SamplerBatch, logits: torch.Tensor, rows: torch.Tensor, 
 def sample_ref(batch: SamplerBatch) -> SampleOutput:
     logits = batch.logits.float()
     R, V = logits.shape
-    B = batch.num_drafts.numel()
+    B = batch.cu_drafts.numel() - 1
     check_logits(logits)
-    layout = row_layout(batch.num_drafts, R)
+    layout = row_layout(batch)
     if batch.draft_ids.numel() > 0:
-        x = torch.where(layout.has_draft, batch.draft_ids.long()[layout.draft], -1)
+        x = torch.where(layout.has_draft, batch.draft_ids[layout.draft], -1)
     else:
         x = torch.full((R,), -1, dtype=torch.long, device=logits.device)
     valid = layout.has_draft & (x >= 0) & (x < V)
@@ -251,6 +271,7 @@ def sample_ref(batch: SamplerBatch) -> SampleOutput:
     first = torch.full((B,), R, dtype=torch.long, device=logits.device)
     first = first.scatter_reduce(0, layout.request, torch.where(accept, R, layout.index), reduce="amin")
     emitted = layout.index <= first[layout.request]
-    tokens = torch.full((B, batch.max_drafts + 1), -1, dtype=torch.long, device=logits.device)
-    tokens[layout.request[emitted], layout.index[emitted]] = token[emitted]
-    return SampleOutput(tokens=tokens, num_tokens=(first + 1).to(torch.int32))
+    packed = torch.full((B, batch.max_drafts + 2), -1, dtype=torch.long, device=logits.device)
+    packed[:, 0] = first + 1
+    packed[layout.request[emitted], layout.index[emitted] + 1] = token[emitted]
+    return SampleOutput(packed)
