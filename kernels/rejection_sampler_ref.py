@@ -6,16 +6,20 @@ plus one token: the recovered token at the first rejection, or the bonus token w
 
 Rules, per row (p = target distribution after temperature, top-k and top-p; q = draft distribution):
 - greedy (temperature 0): accept iff draft == argmax(logits) (lowest index on ties); emit the argmax.
-- random: accept iff u * q(x) < p(x), i.e. with probability min(1, p(x) / q(x)); on rejection sample from
-  norm(max(0, p - q)). q(x) = 0 with p(x) > 0 always accepts; p(x) = 0 always rejects.
+- random, dense or sparse q: accept iff u * q(x) < p(x), i.e. with probability min(1, p(x) / q(x)); on
+  rejection sample from norm(max(0, p - q)). q(x) = 0 with p(x) > 0 always accepts; p(x) = 0 always rejects.
+- random, one-hot q (draft_probs None): the row's token y is the race winner over p, the very token
+  target-only sampling draws at that position; accept iff x == y, and emit y either way. This accepts with
+  probability p(x), as min(1, p(x) / 1) does, and is lossless for any x; seeded output does not depend on
+  the drafts at all.
 - bonus rows, and draft rows whose id is invalid (-1 padding or >= V), sample from p; an invalid draft
   counts as rejected, so nothing after it is accepted.
 - synthetic mode replaces the acceptance test by u < rate[j] (for benchmarks); emitted tokens follow the
-  same rules.
+  same rules (with one-hot q a rejected row emits y, which may equal x).
 
 Sampling is an exponential race, argmax_i w_i / E_i with E_i = -log(u_i), which needs no normalisation.
 For p it runs in log space, key_i = z_i - log(E_i) with z = logits / temperature; for the residual
-of a sparse or one-hot q the support S gets keys m + log(s) + log(max(0, p_i - q_i)) - log(E_i) on the
+of a sparse q the support S gets keys m + log(s) + log(max(0, p_i - q_i)) - log(E_i) on the
 same scale (m, s: softmax max and sum); for a dense q the keys are max(0, p_i - q_i) / E_i. If rounding
 leaves the residual with no mass (p <= q everywhere), the token is sampled from p (same draws).
 
@@ -70,22 +74,52 @@ class DraftProbs:
 
 @dataclass(frozen=True)
 class SampleOutput:
-    tokens: torch.Tensor  # [B, max_k + 1] int64, accepted drafts + one token, padded with -1
-    num_tokens: torch.Tensor  # [B] int32 = accepted + 1
+    """Per request, its count of emitted tokens (accepted + 1) and then the tokens, padded with -1, in one
+    int64 tensor [B, max_k + 2]: the host reads a batch's result with one copy. A count of -1 marks a
+    request whose rows held NaN/inf input, left for token_lists() or check() to raise (the kernel's path)."""
+
+    packed: torch.Tensor
+
+    @property
+    def tokens(self) -> torch.Tensor:
+        """[B, max_k + 1] int64: accepted drafts + one token, padded with -1."""
+        return self.packed[:, 1:]
+
+    @property
+    def num_tokens(self) -> torch.Tensor:
+        """[B] int32 = accepted + 1."""
+        return self.packed[:, 0].int()
+
+    def check(self) -> None:
+        """Raise SamplerInputError if a request's rows held bad input (waits for the device)."""
+        bad = torch.nonzero(self.packed[:, 0] < 0).squeeze(1)
+        if bad.numel() > 0:
+            raise _bad_requests(bad.tolist())
+
+    def token_lists(self) -> list[list[int]]:
+        """Each request's emitted tokens, read with one device-to-host copy; raises as check() does."""
+        rows = self.packed.tolist()
+        if bad := [b for b, row in enumerate(rows) if row[0] < 0]:
+            raise _bad_requests(bad)
+        return [row[1: 1 + row[0]] for row in rows]
+
+
+def _bad_requests(requests: list[int]) -> SamplerInputError:
+    return SamplerInputError(f"target rows of requests {requests[:8]} hold NaN/+inf logits, no finite logit, "
+                             "or NaN/inf/negative draft probabilities")
 
 
 @dataclass(frozen=True)
 class SamplerBatch:
-    """Validated inputs on one device (built by rejection_sampler.rejection_sample)."""
+    """Validated inputs on the logits' device (built by rejection_sampler.prepare_batch)."""
 
     logits: torch.Tensor  # [R, V] float, R = sum(k_b + 1)
     draft_ids: torch.Tensor  # [D] int64
-    num_drafts: torch.Tensor  # [B] int64
+    cu_drafts: torch.Tensor  # [B + 1] int64: request b's drafts are draft_ids[cu_drafts[b]:cu_drafts[b + 1]]
+    row_request: torch.Tensor  # [R] int64, the request of each target row
     max_drafts: int
     draft_probs: DraftProbs | None
     temperature: torch.Tensor  # [B] float32, 0 = greedy
-    top_k: torch.Tensor  # [B] int64, 0 = off
-    top_p: torch.Tensor  # [B] float32
     seed: torch.Tensor  # [B] int64
     positions: torch.Tensor  # [B] int64
     synthetic: torch.Tensor | None  # [>= max_drafts] float32 acceptance rate per draft position
@@ -100,16 +134,12 @@ class RowLayout:
     has_draft: torch.Tensor  # [R] j < k_b
 
 
-def row_layout(num_drafts: torch.Tensor, num_rows: int) -> RowLayout:
-    num_drafts = num_drafts.long()
-    device = num_drafts.device
-    request = torch.repeat_interleave(torch.arange(num_drafts.numel(), device=device), num_drafts + 1,
-                                      output_size=num_rows)
-    first_row = torch.cumsum(num_drafts + 1, 0) - (num_drafts + 1)
-    first_draft = torch.cumsum(num_drafts, 0) - num_drafts
-    index = torch.arange(num_rows, device=device) - first_row[request]
-    has_draft = index < num_drafts[request]
-    draft = (first_draft[request] + index).clamp(0, max(int(num_drafts.sum()) - 1, 0))
+def row_layout(batch: SamplerBatch) -> RowLayout:
+    request, cu = batch.row_request, batch.cu_drafts
+    first_draft = cu[request]
+    index = torch.arange(request.numel(), device=request.device) - first_draft - request  # row = draft + b
+    has_draft = index < cu[request + 1] - first_draft
+    draft = (first_draft + index).clamp(0, max(batch.draft_ids.numel() - 1, 0))
     return RowLayout(request, index, draft, has_draft)
 
 
@@ -126,29 +156,23 @@ def accept_uniforms(seed: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
     return u[..., 0]
 
 
-def logit_thresholds(logits: torch.Tensor, request: torch.Tensor, temperature: torch.Tensor,
-                     top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor | None:
-    """Per-row z threshold for top-k then top-p (HF order), or None when no random row filters.
+def logit_thresholds(logits: torch.Tensor, rows: torch.Tensor, inv_temperature: torch.Tensor,
+                     top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Per-row z threshold for top-k then top-p (HF order); -inf (keep all) outside the given rows.
 
-    Top-k keeps the k largest z; top-p then keeps the smallest prefix of the sorted, top-k-renormalised
-    distribution whose mass reaches top_p. Only rows that filter are sorted.
+    rows [F] are the rows that filter, with their 1 / temperature, top_k in [1, V] and top_p. Top-k keeps the
+    k largest z; top-p then keeps the smallest prefix of the sorted, top-k-renormalised distribution whose
+    mass reaches top_p. Only these rows are sorted; nothing here waits for the device.
     """
     V = logits.shape[1]
-    filters = (temperature > 0) & (((top_k > 0) & (top_k < V)) | (top_p < 1))
-    rows = torch.nonzero(filters[request]).squeeze(1)
-    if rows.numel() == 0:
-        return None
-    req = request[rows]
-    z = logits[rows].float() * (1.0 / temperature[req])[:, None]
+    z = logits.index_select(0, rows).float() * inv_temperature[:, None]
     z_sorted = z.sort(dim=1, descending=True).values
-    k = torch.where(top_k[req] > 0, top_k[req].clamp(max=V), V)
-    in_top_k = torch.arange(V, device=z.device)[None, :] < k[:, None]
+    in_top_k = torch.arange(V, device=z.device)[None, :] < top_k[:, None]
     probs = torch.softmax(z_sorted.masked_fill(~in_top_k, NEG_INF), dim=1)
     mass_before = probs.cumsum(1) - probs
-    kept = ((mass_before < top_p[req][:, None]) & in_top_k).sum(1).clamp(min=1)
+    kept = ((mass_before < top_p[:, None]) & in_top_k).sum(1).clamp(min=1)
     thresholds = torch.full((logits.shape[0],), NEG_INF, dtype=torch.float32, device=logits.device)
-    thresholds[rows] = z_sorted.gather(1, (kept - 1)[:, None]).squeeze(1)
-    return thresholds
+    return thresholds.scatter_(0, rows, z_sorted.gather(1, (kept - 1)[:, None]).squeeze(1))
 
 
 def check_logits(logits: torch.Tensor) -> None:
@@ -181,18 +205,19 @@ def _random_rows(batch: SamplerBatch, logits: torch.Tensor, rows: torch.Tensor, 
     z = logits[rows] * (1.0 / batch.temperature[req])[:, None]
     if batch.thresholds is not None:
         z = torch.where(z >= batch.thresholds[rows][:, None], z, NEG_INF)
+    E = -torch.log(token_uniforms(batch.seed[req], batch.positions[req] + layout.index[rows], V))
+    race = z - torch.log(E)  # over p: rows without a (valid) draft, one-hot q, the empty-residual fallback
+    q = batch.draft_probs
+    if q is None:  # one-hot q: the race winner is the row's token; the draft passes iff it won
+        winner = race.argmax(1)
+        accept = valid & ((u_accept[rows] < rate[rows]) if rate is not None else (x == winner))
+        return torch.where(accept, x, winner), accept
     m = z.max(1).values
     s = torch.exp(z - m[:, None]).sum(1)
     inv_s = 1.0 / s
     p_x = torch.exp(z.gather(1, xs[:, None]).squeeze(1) - m) * inv_s
-    E = -torch.log(token_uniforms(batch.seed[req], batch.positions[req] + layout.index[rows], V))
-    race = z - torch.log(E)  # race over p: rows without a (valid) draft, and the empty-residual fallback
-    key = race.clone()
-    q, empty_key = batch.draft_probs, NEG_INF
-    if q is None:  # one-hot q: accept with p(x); the residual is p without x
-        q_x = torch.ones_like(p_x)
-        key[valid, xs[valid]] = NEG_INF
-    elif q.is_dense:
+    key, empty_key = race, NEG_INF
+    if q.is_dense:
         q_rows = q.probs[d]
         check_probs("draft_probs", q_rows[valid])
         q_x = q_rows.gather(1, xs[:, None]).squeeze(1)
@@ -220,11 +245,11 @@ def _random_rows(batch: SamplerBatch, logits: torch.Tensor, rows: torch.Tensor, 
 def sample_ref(batch: SamplerBatch) -> SampleOutput:
     logits = batch.logits.float()
     R, V = logits.shape
-    B = batch.num_drafts.numel()
+    B = batch.cu_drafts.numel() - 1
     check_logits(logits)
-    layout = row_layout(batch.num_drafts, R)
+    layout = row_layout(batch)
     if batch.draft_ids.numel() > 0:
-        x = torch.where(layout.has_draft, batch.draft_ids.long()[layout.draft], -1)
+        x = torch.where(layout.has_draft, batch.draft_ids[layout.draft], -1)
     else:
         x = torch.full((R,), -1, dtype=torch.long, device=logits.device)
     valid = layout.has_draft & (x >= 0) & (x < V)
@@ -246,6 +271,7 @@ def sample_ref(batch: SamplerBatch) -> SampleOutput:
     first = torch.full((B,), R, dtype=torch.long, device=logits.device)
     first = first.scatter_reduce(0, layout.request, torch.where(accept, R, layout.index), reduce="amin")
     emitted = layout.index <= first[layout.request]
-    tokens = torch.full((B, batch.max_drafts + 1), -1, dtype=torch.long, device=logits.device)
-    tokens[layout.request[emitted], layout.index[emitted]] = token[emitted]
-    return SampleOutput(tokens=tokens, num_tokens=(first + 1).to(torch.int32))
+    packed = torch.full((B, batch.max_drafts + 2), -1, dtype=torch.long, device=logits.device)
+    packed[:, 0] = first + 1
+    packed[layout.request[emitted], layout.index[emitted] + 1] = token[emitted]
+    return SampleOutput(packed)

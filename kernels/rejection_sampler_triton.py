@@ -1,25 +1,28 @@
 """The rejection sampler as one Triton kernel; semantics in rejection_sampler_ref (the oracle).
 
 One program per target row. Pass 1 streams the row's logits once: the online softmax max and sum (only
-when the row checks a draft), the argmax (greedy rows), and the exponential race for the row's sample, in
-log space so it needs no normalisation. A sparse or one-hot q is handled in the same pass: its support S
-is excluded from the race (a per-row bitmap for sparse) and re-enters with residual keys computed from the
-K entries afterwards. A dense q needs the normalised p inside max(0, p - q), so a second pass runs, but
-only in rows whose own acceptance test failed. If rounding leaves a residual without mass, one more pass
+when the row checks a draft against a dense or sparse q), the argmax (greedy rows), and the exponential race
+for the row's sample, in log space so it needs no normalisation. With a one-hot q the race winner is the
+row's token and the draft passes iff it won, so one pass decides the row. A sparse q is handled in the same
+pass: its support S is excluded from the race (a per-row bitmap) and re-enters with residual keys computed
+from the K entries afterwards. A dense q needs the normalised p inside max(0, p - q), so a second pass runs,
+but only in rows whose own acceptance test failed. If rounding leaves a residual without mass, one more pass
 samples from p (rare). Vocab draws come four per Philox call.
 
-Each program writes its row's token and accept flag, then takes a ticket from its request's counter; the
-last row of a request to finish assembles the request's output (accepted prefix plus one token). NaN/+inf
-logits, rows with no finite logit, and NaN/inf/negative q values read by the kernel set a per-row flag
-that the launcher turns into SamplerInputError. A dense q is checked where it is read: at q(x) always,
-and the whole row when that row's residual is needed.
+Each program writes its row's token and state, then takes a ticket from its request's counter; the last row
+of a request to finish assembles the request's output (count, then the accepted prefix plus one token).
+NaN/+inf logits, rows with no finite logit, and NaN/inf/negative q values read by the kernel mark the row
+bad, and its request's count becomes -1, which SampleOutput turns into SamplerInputError when read. A dense
+q is checked where it is read: at q(x) always, and the whole row when that row's residual is needed.
 """
+
+import functools
 
 import torch
 import triton
 import triton.language as tl
 from specwire.kernels import rejection_sampler_ref as ref
-from specwire.kernels.rejection_sampler_ref import SampleOutput, SamplerBatch, SamplerInputError
+from specwire.kernels.rejection_sampler_ref import SampleOutput, SamplerBatch
 
 Q_ONE_HOT, Q_DENSE, Q_SPARSE = 0, 1, 2
 # Kernels read module globals only as constexprs.
@@ -109,9 +112,9 @@ def _mark_support(bitmap_ptr, idx_ptr, K, W, V, enabled, BLOCK_K: tl.constexpr, 
 
 
 @triton.jit
-def _race_pass(row_ptr, V, inv_t, theta, seed, pos, x, exclude, need_softmax, need_race, bitmap_ptr,
+def _race_pass(row_ptr, V, inv_t, theta, seed, pos, exclude, need_softmax, need_race, bitmap_ptr,
                Q_MODE: tl.constexpr, HAS_THETA: tl.constexpr, BQ: tl.constexpr):
-    """One pass: softmax max/sum (if need_softmax); the race over p, minus q's support if exclude."""
+    """One pass: softmax max/sum (if need_softmax); the race over p, minus a sparse q's support if exclude."""
     offs0 = tl.arange(0, BQ)[:, None] * 4 + tl.arange(0, 4)[None, :]
     m, s = _scalar(float("-inf"), tl.float32), _scalar(0.0, tl.float32)
     best, best_idx, bad = _scalar(float("-inf"), tl.float32), _scalar(0, tl.int32), _scalar(0, tl.int32)
@@ -132,8 +135,6 @@ def _race_pass(row_ptr, V, inv_t, theta, seed, pos, x, exclude, need_softmax, ne
         if need_race:
             u = _tile_uniforms(seed, pos, start, BQ)
             key = z - tl.log(-tl.log(u))
-            if Q_MODE == 0:
-                key = tl.where((offs == x) & exclude, float("-inf"), key)
             if Q_MODE == 2:
                 word = tl.load(bitmap_ptr + offs // 32, mask=offs < tl.where(exclude, V, 0), other=0,
                                cache_modifier=".cg")
@@ -166,8 +167,7 @@ def _dense_residual_pass(row_ptr, q_row_ptr, V, inv_t, theta, m, inv_s, seed, po
 def _rejection_kernel(
     logits_ptr, stride_logits, draft_ids_ptr, cu_drafts_ptr, row_request_ptr,
     q_ptr, stride_q, q_idx_ptr, stride_q_idx, bitmap_ptr, stride_bitmap,
-    temperature_ptr, seed_ptr, positions_ptr, theta_ptr, rate_ptr,
-    row_token_ptr, row_accept_ptr, row_bad_ptr, ticket_ptr, out_ptr, stride_out, count_ptr,
+    temperature_ptr, seed_ptr, positions_ptr, theta_ptr, rate_ptr, scratch_ptr, out_ptr, stride_out,
     V, K, W, out_width,
     Q_MODE: tl.constexpr, HAS_THETA: tl.constexpr, HAS_RATE: tl.constexpr,
     BQ: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_W: tl.constexpr, MAX_ROWS: tl.constexpr,
@@ -203,57 +203,64 @@ def _rejection_kernel(
         bitmap_row = bitmap_ptr + d * stride_bitmap
         if Q_MODE == 2:
             _mark_support(bitmap_row, q_idx_ptr + d * stride_q_idx, K, W, V, valid, BLOCK_K, BLOCK_W)
-        # A checked draft row of a dense q races only in the residual pass.
+        # One-hot q needs no softmax; a checked draft row of a dense q races only in the residual pass.
+        need_softmax = valid & (Q_MODE != 0)
         need_race = (valid == 0) if Q_MODE == 1 else (valid | True)
-        m, s, best, best_idx, bad = _race_pass(row_ptr, V, inv_t, theta, seed, pos, x, valid, valid,
+        m, s, best, best_idx, bad = _race_pass(row_ptr, V, inv_t, theta, seed, pos, valid, need_softmax,
                                                need_race, bitmap_row, Q_MODE, HAS_THETA, BQ)
         bad = bad | (tl.maximum(m, best) == float("-inf")).to(tl.int32)
-        inv_s = tl.math.div_rn(1.0, s)
-        z_x = tl.load(row_ptr + x_safe).to(tl.float32) * inv_t
-        if HAS_THETA:
-            z_x = tl.where(z_x >= theta, z_x, float("-inf"))
-        p_x = tl.exp(z_x - m) * inv_s
-        q_x = 1.0
-        if Q_MODE == 1:
-            q_x = tl.load(q_ptr + d * stride_q + x_safe, mask=valid, other=0.0)
-            bad = bad | (valid & (~(q_x >= 0) | (q_x == float("inf")))).to(tl.int32)
-        if Q_MODE == 2:
-            kk = tl.arange(0, BLOCK_K)
-            idx = tl.load(q_idx_ptr + d * stride_q_idx + kk, mask=kk < tl.where(valid, K, 0), other=-1)
-            in_vocab = (idx >= 0) & (idx < V)
-            val = tl.load(q_ptr + d * stride_q + kk, mask=in_vocab, other=0.0)
-            bad = bad | tl.max((in_vocab & (~(val >= 0) | (val == float("inf")))).to(tl.int32), 0)
-            q_x = tl.sum(tl.where(in_vocab & (idx == x), val, 0.0), 0)
-            # The support re-enters the race with residual keys, on the scale of the log-space keys.
-            idx_c = tl.where(in_vocab, idx, 0).to(tl.int32)
-            z_s = tl.load(row_ptr + idx_c, mask=in_vocab, other=float("-inf")).to(tl.float32) * inv_t
+        if Q_MODE == 0:  # the race winner is the row's token; the draft passes iff it won
+            accept = valid & ((u_accept < rate) if HAS_RATE else (x == best_idx))
+            token = tl.where(accept, x, best_idx.to(tl.int64))
+        else:
+            inv_s = tl.math.div_rn(1.0, s)
+            z_x = tl.load(row_ptr + x_safe).to(tl.float32) * inv_t
             if HAS_THETA:
-                z_s = tl.where(z_s >= theta, z_s, float("-inf"))
-            residual = tl.maximum(tl.exp(z_s - m) * inv_s - val, 0.0)
-            e_s = -tl.log(_entry_uniforms(seed, pos, idx_c))
-            key_s = m + tl.log(s) + tl.log(residual) - tl.log(e_s)
-            key_s = tl.where(in_vocab, key_s, float("-inf"))
-            best_s = tl.max(key_s, 0)
-            idx_s = tl.min(tl.where(key_s == best_s, idx_c, V), 0)
-            take_s = (best_s > best) | ((best_s == best) & (idx_s < best_idx) & (best_s > float("-inf")))
-            best, best_idx = tl.where(take_s, best_s, best), tl.where(take_s, idx_s, best_idx)
-        accept = valid & ((u_accept < rate) if HAS_RATE else (u_accept * q_x < p_x))
-        recovered, empty = best_idx.to(tl.int64), best == float("-inf")
-        if Q_MODE == 1:  # noqa: SIM102 (a constexpr and a runtime condition cannot share one Triton `if`)
-            if valid & (accept == 0):
-                best, best_idx, q_bad = _dense_residual_pass(row_ptr, q_ptr + d * stride_q, V, inv_t, theta,
-                                                             m, inv_s, seed, pos, HAS_THETA, BQ)
-                recovered, empty = best_idx.to(tl.int64), best == 0.0
-                bad = bad | q_bad
-        if valid & (accept == 0) & empty:  # rounding left the residual no mass: sample from p (rare)
-            _, _, _, best_idx, _ = _race_pass(row_ptr, V, inv_t, theta, seed, pos, x, False, False, True,
-                                              bitmap_row, Q_MODE, HAS_THETA, BQ)
-            recovered = best_idx.to(tl.int64)
-        token = tl.where(accept, x, recovered)
+                z_x = tl.where(z_x >= theta, z_x, float("-inf"))
+            p_x = tl.exp(z_x - m) * inv_s
+            q_x = 1.0
+            if Q_MODE == 1:
+                q_x = tl.load(q_ptr + d * stride_q + x_safe, mask=valid, other=0.0)
+                bad = bad | (valid & (~(q_x >= 0) | (q_x == float("inf")))).to(tl.int32)
+            if Q_MODE == 2:
+                kk = tl.arange(0, BLOCK_K)
+                idx = tl.load(q_idx_ptr + d * stride_q_idx + kk, mask=kk < tl.where(valid, K, 0), other=-1)
+                in_vocab = (idx >= 0) & (idx < V)
+                val = tl.load(q_ptr + d * stride_q + kk, mask=in_vocab, other=0.0)
+                bad = bad | tl.max((in_vocab & (~(val >= 0) | (val == float("inf")))).to(tl.int32), 0)
+                q_x = tl.sum(tl.where(in_vocab & (idx == x), val, 0.0), 0)
+                # The support re-enters the race with residual keys, on the scale of the log-space keys.
+                idx_c = tl.where(in_vocab, idx, 0).to(tl.int32)
+                z_s = tl.load(row_ptr + idx_c, mask=in_vocab, other=float("-inf")).to(tl.float32) * inv_t
+                if HAS_THETA:
+                    z_s = tl.where(z_s >= theta, z_s, float("-inf"))
+                residual = tl.maximum(tl.exp(z_s - m) * inv_s - val, 0.0)
+                e_s = -tl.log(_entry_uniforms(seed, pos, idx_c))
+                key_s = m + tl.log(s) + tl.log(residual) - tl.log(e_s)
+                key_s = tl.where(in_vocab, key_s, float("-inf"))
+                best_s = tl.max(key_s, 0)
+                idx_s = tl.min(tl.where(key_s == best_s, idx_c, V), 0)
+                take_s = (best_s > best) | ((best_s == best) & (idx_s < best_idx) & (best_s > float("-inf")))
+                best, best_idx = tl.where(take_s, best_s, best), tl.where(take_s, idx_s, best_idx)
+            accept = valid & ((u_accept < rate) if HAS_RATE else (u_accept * q_x < p_x))
+            recovered, empty = best_idx.to(tl.int64), best == float("-inf")
+            if Q_MODE == 1:  # noqa: SIM102 (a constexpr and a runtime condition cannot share one Triton `if`)
+                if valid & (accept == 0):
+                    best, best_idx, q_bad = _dense_residual_pass(row_ptr, q_ptr + d * stride_q, V, inv_t,
+                                                                 theta, m, inv_s, seed, pos, HAS_THETA, BQ)
+                    recovered, empty = best_idx.to(tl.int64), best == 0.0
+                    bad = bad | q_bad
+            if valid & (accept == 0) & empty:  # rounding left the residual no mass: sample from p (rare)
+                _m, _s, _best, p_idx, _bad = _race_pass(row_ptr, V, inv_t, theta, seed, pos, False, False,
+                                                        True, bitmap_row, Q_MODE, HAS_THETA, BQ)
+                recovered = p_idx.to(tl.int64)
+            token = tl.where(accept, x, recovered)
 
-    tl.store(row_token_ptr + r, token)
-    tl.store(row_accept_ptr + r, accept.to(tl.int8))
-    tl.store(row_bad_ptr + r, (bad != 0).to(tl.int8))
+    # Scratch (int32, zeroed): each row's token, its state (bit 0 accepted, bit 1 bad input), the tickets.
+    R = tl.num_programs(0)
+    row_token_ptr, row_state_ptr, ticket_ptr = scratch_ptr, scratch_ptr + R, scratch_ptr + 2 * R
+    tl.store(row_token_ptr + r, token.to(tl.int32))
+    tl.store(row_state_ptr + r, accept.to(tl.int32) | ((bad != 0).to(tl.int32) << 1))
     # Last row of the request to get here assembles the output (release: the stores above; acquire: theirs).
     tl.debug_barrier()
     ticket = tl.atomic_add(ticket_ptr + b, 1)
@@ -262,12 +269,14 @@ def _rejection_kernel(
         jj = tl.arange(0, MAX_ROWS)
         first_row = first_draft + b
         live = jj <= k_b
-        acc = tl.load(row_accept_ptr + first_row + jj, mask=live, other=0, cache_modifier=".cg")
-        first_reject = tl.min(tl.where(live & (acc == 0), jj, MAX_ROWS), 0)
+        state = tl.load(row_state_ptr + first_row + jj, mask=live, other=0, cache_modifier=".cg")
+        first_reject = tl.min(tl.where(live & ((state & 1) == 0), jj, MAX_ROWS), 0)
+        any_bad = tl.max(state >> 1, 0)
         toks = tl.load(row_token_ptr + first_row + jj, mask=jj <= first_reject, other=-1,
                        cache_modifier=".cg")
-        tl.store(out_ptr + b * stride_out + jj, toks, mask=jj < out_width)
-        tl.store(count_ptr + b, first_reject + 1)
+        out_row = out_ptr + b * stride_out
+        tl.store(out_row + 1 + jj, toks.to(tl.int64), mask=jj < out_width)
+        tl.store(out_row, tl.where(any_bad != 0, -1, first_reject + 1).to(tl.int64))
 
 
 def _block_quads(vocab_size: int) -> int:
@@ -275,58 +284,43 @@ def _block_quads(vocab_size: int) -> int:
     return min(512, triton.next_power_of_2(triton.cdiv(vocab_size, 4)))
 
 
-def launch(batch: SamplerBatch) -> tuple[SampleOutput, torch.Tensor]:
-    """Enqueue the kernel; returns the output and the per-row bad-input flags, without syncing."""
+@functools.cache
+def _placeholders(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Float32, int64 and int32 stand-ins for pointer arguments a batch does not use (never read)."""
+    dtypes = (torch.float32, torch.long, torch.int32)
+    return tuple(torch.zeros(1, dtype=dtype, device=device) for dtype in dtypes)
+
+
+def launch(batch: SamplerBatch) -> SampleOutput:
+    """Enqueue the kernel; bad input shows as count -1 in the output. Nothing here waits for the device."""
     logits = batch.logits if batch.logits.stride(-1) == 1 else batch.logits.contiguous()
     R, V = logits.shape
-    B = batch.num_drafts.numel()
+    B = batch.cu_drafts.numel() - 1
     device = logits.device
-    tokens = torch.empty((B, batch.max_drafts + 1), dtype=torch.long, device=device)
-    counts = torch.empty((B,), dtype=torch.int32, device=device)
+    packed = torch.empty((B, batch.max_drafts + 2), dtype=torch.long, device=device)
     if B == 0:
-        return SampleOutput(tokens, counts), torch.zeros(0, dtype=torch.int8, device=device)
-    num_drafts = batch.num_drafts.long()
-    cu_drafts = torch.zeros(B + 1, dtype=torch.long, device=device)
-    torch.cumsum(num_drafts, 0, out=cu_drafts[1:])
-    row_request = torch.repeat_interleave(torch.arange(B, device=device), num_drafts + 1, output_size=R)
-
-    q, draft_ids = batch.draft_probs, batch.draft_ids.long()
-    dummy_f, dummy_i = torch.zeros(1, dtype=torch.float32, device=device), torch.zeros(1, dtype=torch.long,
-                                                                                         device=device)
-    q_vals, q_idx, bitmap, K, W, mode = dummy_f, dummy_i, dummy_i.int(), 1, 1, Q_ONE_HOT
+        return SampleOutput(packed)
+    none_f, none_i64, none_i32 = _placeholders(device)
+    q = batch.draft_probs
+    q_vals, q_idx, bitmap, K, W, mode = none_f, none_i64, none_i32, 1, 1, Q_ONE_HOT
     if q is not None and q.is_dense:
         q_vals, mode = q.probs, Q_DENSE
     elif q is not None:
-        q_vals, q_idx, mode = q.values, q.indices.long(), Q_SPARSE
+        q_vals, q_idx, mode = q.values, q.indices, Q_SPARSE
         K, W = q_idx.shape[1], triton.cdiv(V, 32)
         bitmap = torch.empty((q_idx.shape[0], W), dtype=torch.int32, device=device)
-    if draft_ids.numel() == 0:
-        draft_ids = dummy_i
-    theta = batch.thresholds if batch.thresholds is not None else dummy_f
-    rate = batch.synthetic if batch.synthetic is not None else dummy_f
-
-    row_token = torch.empty(R, dtype=torch.long, device=device)
-    row_accept = torch.empty(R, dtype=torch.int8, device=device)
-    row_bad = torch.empty(R, dtype=torch.int8, device=device)
-    ticket = torch.zeros(B, dtype=torch.int32, device=device)
+    draft_ids = batch.draft_ids if batch.draft_ids.numel() > 0 else none_i64
+    theta = batch.thresholds if batch.thresholds is not None else none_f
+    rate = batch.synthetic if batch.synthetic is not None else none_f
+    scratch = torch.zeros(2 * R + B, dtype=torch.int32, device=device)
     _rejection_kernel[(R,)](
-        logits, logits.stride(0), draft_ids, cu_drafts, row_request,
+        logits, logits.stride(0), draft_ids, batch.cu_drafts, batch.row_request,
         q_vals, q_vals.stride(0), q_idx, q_idx.stride(0), bitmap, bitmap.stride(0),
-        batch.temperature, batch.seed, batch.positions, theta, rate,
-        row_token, row_accept, row_bad, ticket, tokens, tokens.stride(0), counts,
+        batch.temperature, batch.seed, batch.positions, theta, rate, scratch, packed, packed.stride(0),
         V, K, W, batch.max_drafts + 1,
         Q_MODE=mode, HAS_THETA=batch.thresholds is not None, HAS_RATE=batch.synthetic is not None,
         BQ=_block_quads(V), BLOCK_K=triton.next_power_of_2(K), BLOCK_W=min(1024, triton.next_power_of_2(W)),
         MAX_ROWS=triton.next_power_of_2(batch.max_drafts + 1), num_warps=8 if V >= 8192 else 4,
         enable_fp_fusion=False,  # no FMA contraction: the same roundings as the reference
     )
-    return SampleOutput(tokens, counts), row_bad
-
-
-def sample_triton(batch: SamplerBatch) -> SampleOutput:
-    out, row_bad = launch(batch)
-    bad = row_bad.nonzero().squeeze(1)  # the one device sync
-    if bad.numel() > 0:
-        raise SamplerInputError(f"target rows {bad[:8].tolist()} hold NaN/+inf logits, no finite logit, "
-                                "or NaN/inf/negative draft probabilities")
-    return out
+    return SampleOutput(packed)

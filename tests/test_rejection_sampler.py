@@ -6,6 +6,7 @@ The statistical tests also run deliberately broken samplers (defined only here) 
 check rejects them, so the check is known to discriminate the bugs it guards against.
 """
 
+import itertools
 import math
 import os
 import subprocess
@@ -210,6 +211,47 @@ def test_zero_probabilities(backend):
         assert tokens[0] == 6
 
 
+def _target_only_rows(batch: dict, backend: str) -> torch.Tensor:
+    """The target-only sample of every target row: each row alone, at its own position, no drafts."""
+    nd = batch["num_drafts"].long()
+    request = torch.repeat_interleave(torch.arange(nd.numel()), nd + 1)
+    first_row = torch.cumsum(nd + 1, 0) - (nd + 1)
+    index = torch.arange(request.numel()) - first_row[request]
+    R = request.numel()
+    out = rejection_sample(
+        batch["target_logits"], torch.zeros(0, dtype=torch.long), torch.zeros(R, dtype=torch.int32), None,
+        *(batch[name][request] for name in ("temperature", "top_k", "top_p", "seed")),
+        batch["positions"][request] + index, backend=backend)
+    return out.tokens[:, 0].cpu()
+
+
+def one_hot_drafts_emit_target_only_samples(backend: str, V: int, device: str = "cpu") -> None:
+    """Whatever the drafts (here most of them the target-only token, the rest random or invalid ids), a
+    request emits the target-only samples of its positions, and accepts exactly the leading drafts that
+    equal them."""
+    for seed in range(3):
+        batch = make_batch(12, V, 4, "none", seed=seed, greedy_frac=0.25, filter_frac=0.4, device=device)
+        expected = _target_only_rows(batch, backend)
+        nd = batch["num_drafts"].long()
+        draft_rows = _draft_rows(nd)
+        g = torch.Generator().manual_seed(seed)
+        random_ids = torch.randint(-1, V + 1, (draft_rows.numel(),), generator=g)
+        match = torch.rand(draft_rows.numel(), generator=g) < 0.6
+        batch["draft_token_ids"] = torch.where(match, expected[draft_rows], random_ids)
+        out = rejection_sample(**batch, backend=backend, defer_check=True).token_lists()
+        first_row, first_draft = torch.cumsum(nd + 1, 0) - (nd + 1), torch.cumsum(nd, 0) - nd
+        for b in range(nd.numel()):
+            drafts = batch["draft_token_ids"][first_draft[b]: first_draft[b] + nd[b]].tolist()
+            target = expected[first_row[b]: first_row[b] + nd[b] + 1].tolist()
+            accepted = next((j for j in range(len(drafts)) if drafts[j] != target[j]), len(drafts))
+            assert out[b] == target[: accepted + 1], (seed, b)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_one_hot_drafts_emit_exactly_the_target_only_sample(backend):
+    one_hot_drafts_emit_target_only_samples(backend, V=50)
+
+
 def test_thresholds_keep_exactly_top_k_and_top_p():
     g = torch.Generator().manual_seed(3)
     for _ in range(20):
@@ -395,8 +437,9 @@ def _acceptance_rate(draft_probs_reach_sampler: bool, N: int = 40_000) -> tuple[
 
 
 def test_acceptance_rate_uses_draft_probs():
-    """Seed 001: without q the sampler stays lossless (one-hot drafts) but accepts at sum p q, not
-    sum min(p, q). The rate check tells the two apart."""
+    """Seed 001: without q the sampler stays lossless (one-hot drafts: it emits the target-only sample y and
+    accepts iff x == y, which for x ~ q happens with probability sum p q, not sum min(p, q)). The rate check
+    tells the two apart."""
     N = 40_000
     for reach in (True, False):
         rate, with_q, without_q = _acceptance_rate(reach, N)
@@ -507,6 +550,58 @@ def test_target_only_sampling_is_argmax_or_follows_p():
     sampled = rejection_sample(*args, torch.full((N,), 0.8), torch.full((N,), 5), torch.full((N,), 0.9),
                                torch.arange(N), zeros)
     assert _fits(torch.bincount(sampled.tokens[:, 0], minlength=V), _expected_p(logits[0], 0.8, 5, 0.9))
+
+
+# ------------------------------------------------------------------------------------- deferred check
+
+
+def _eager_lists(out) -> list[list[int]]:
+    return [out.tokens[b, : int(out.num_tokens[b])].tolist() for b in range(out.tokens.shape[0])]
+
+
+def mixed_batches(device: str = "cpu"):
+    """Random batches: one-hot, dense and sparse q; greedy, random and mixed rows; k 0..4; some filtering."""
+    for i, (mode, greedy) in enumerate(itertools.product(("none", "dense", "sparse"), (0.0, 0.5, 1.0))):
+        yield make_batch(1 + 2 * (i % 3), 300, i % 5, mode, seed=50 + i, greedy_frac=greedy,
+                         filter_frac=0.3 * (i % 2), fixed_k=i % 4 == 0, device=device)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_deferred_check_equals_eager(backend):
+    for batch in mixed_batches():
+        eager = rejection_sample(**batch, backend=backend)
+        deferred = rejection_sample(**batch, backend=backend, defer_check=True)
+        assert deferred.token_lists() == _eager_lists(eager)
+        assert torch.equal(deferred.packed, eager.packed)
+
+
+@on_interpreter
+@pytest.mark.parametrize("fault", ["nan logits", "negative q"])
+def test_deferred_check_raises_at_token_lists(fault):
+    batch = make_batch(3, 40, 2, "dense", seed=2, greedy_frac=0.0, invalid_frac=0.0, fixed_k=True)
+    if fault == "nan logits":
+        batch["target_logits"][4, 7] = float("nan")  # a row of request 1
+    else:
+        batch["draft_probs"].probs[2] = -batch["draft_probs"].probs[2]  # request 1's first draft
+    out = rejection_sample(**batch, backend="triton", defer_check=True)  # no raise: nothing was read
+    assert out.num_tokens.tolist()[1] == -1 and min(out.num_tokens.tolist()[::2]) >= 1
+    with pytest.raises(SamplerInputError, match=r"requests \[1\]"):
+        out.token_lists()
+    with pytest.raises(SamplerInputError, match="rows"):
+        rejection_sample(**batch, backend="triton")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_input_dtypes_and_columns_agree(backend):
+    """int32 draft ids / sparse indices and int32 or float64 columns give the same tokens as int64/float32."""
+    for batch in mixed_batches():
+        out = rejection_sample(**batch, backend=backend, defer_check=True).token_lists()
+        q = batch["draft_probs"]
+        narrow = dict(batch, draft_token_ids=batch["draft_token_ids"].int(), top_k=batch["top_k"].int(),
+                      temperature=batch["temperature"].double(), positions=batch["positions"].int())
+        if q is not None and not q.is_dense:
+            narrow["draft_probs"] = DraftProbs.sparse(q.indices.int(), q.values)
+        assert rejection_sample(**narrow, backend=backend, defer_check=True).token_lists() == out
 
 
 # ------------------------------------------------------------------------ Triton kernel == reference (CPU)

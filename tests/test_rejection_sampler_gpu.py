@@ -7,13 +7,16 @@ import functools
 
 import pytest
 import torch
-from specwire.kernels.rejection_sampler import SamplerInputError, rejection_sample
+from specwire.kernels.rejection_sampler import DraftProbs, SamplerInputError, rejection_sample
 from test_rejection_sampler import (
+    _eager_lists,
     _lossless,
     _real_sampler,
     _seeded_output,
     count_mismatches,
     make_batch,
+    mixed_batches,
+    one_hot_drafts_emit_target_only_samples,
     philox_parity,
 )
 
@@ -63,3 +66,38 @@ def test_target_only_bfloat16_logits():
     batch["target_logits"] = batch["target_logits"].bfloat16()
     ref, out = (rejection_sample(**batch, backend=b) for b in ("torch", "triton"))
     assert torch.equal(ref.tokens, out.tokens)
+
+
+def test_one_hot_drafts_emit_exactly_the_target_only_sample_cuda():
+    one_hot_drafts_emit_target_only_samples("triton", V=49152, device="cuda")
+
+
+def test_deferred_call_never_waits_for_the_device():
+    for batch in mixed_batches("cuda"):  # includes top-k/top-p rows: their sort must not sync either
+        rejection_sample(**batch, defer_check=True).token_lists()  # compiles the kernel variants first
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            out = rejection_sample(**batch, defer_check=True)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert out.token_lists() == _eager_lists(rejection_sample(**batch, backend="torch"))
+
+
+def test_host_and_device_inputs_agree():
+    for batch in mixed_batches("cuda"):
+        on_device = rejection_sample(**batch, defer_check=True).token_lists()
+        q = batch["draft_probs"]
+        q_host = None if q is None else DraftProbs(*(t if t is None else t.cpu() for t in (q.probs, q.indices,
+                                                                                          q.values)))
+        on_host = dict(batch, draft_token_ids=batch["draft_token_ids"].cpu(), draft_probs=q_host)
+        assert rejection_sample(**on_host, defer_check=True).token_lists() == on_device
+        assert _eager_lists(rejection_sample(**on_host, backend="torch")) == on_device
+
+
+def test_deferred_check_raises_at_token_lists_cuda():
+    batch = make_batch(3, 8193, 2, "dense", seed=2, device="cuda")
+    batch["target_logits"][1, 4097] = float("nan")
+    out = rejection_sample(**batch, defer_check=True)
+    with pytest.raises(SamplerInputError, match="requests"):
+        out.token_lists()
