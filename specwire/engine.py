@@ -144,19 +144,22 @@ class StepGraphs:
     def prepare(
         self, slots: torch.Tensor, tokens: torch.Tensor, num_tokens: torch.Tensor, positions: torch.Tensor
     ) -> int:
-        """tokens [b, <= width] (row b's first num_tokens[b] are live): copy the batch into the static
-        buffers and pad (pad rows -> trash slot); returns the graph size to replay."""
+        """tokens [b, <= width] (row b's first num_tokens[b] are live): copy the batch (host or device
+        tensors) into the static buffers and pad (pad rows -> trash slot); returns the graph size to replay.
+        Host inputs are copied straight into the buffers; empty pad regions launch nothing."""
         b, w = tokens.shape
         size = next(s for s in self.sizes if s >= b)
         self.input_ids[:b, :w].copy_(tokens)
-        self.input_ids[:b, w:].zero_()
+        if w < self.width:
+            self.input_ids[:b, w:].zero_()
         self.start_pos[:b].copy_(positions)
         self.slots[:b].copy_(slots)
         self.num_tokens[:b].copy_(num_tokens)
-        self.input_ids[b:size].zero_()
-        self.start_pos[b:size].zero_()
-        self.num_tokens[b:size].zero_()
-        self.slots[b:size].fill_(self.trash)
+        if b < size:
+            self.input_ids[b:size].zero_()
+            self.start_pos[b:size].zero_()
+            self.num_tokens[b:size].zero_()
+            self.slots[b:size].fill_(self.trash)
         return size
 
     def replay(self, size: int) -> ModelOutput:
@@ -305,11 +308,11 @@ class TargetEngine:
     ) -> StepOutput:
         """One token per request: last_tokens[b] at absolute position positions[b] of slot slots[b].
         Replays a CUDA graph when the engine has them and the batch fits; eager otherwise."""
-        slots_t = self._device_tensor(slots, torch.int32)
-        tokens_t = self._device_tensor(last_tokens, torch.int64)
-        positions_t = self._device_tensor(positions, torch.int32)
+        slots_t = self._step_input(slots, torch.int32)
+        tokens_t = self._step_input(last_tokens, torch.int64)
+        positions_t = self._step_input(positions, torch.int32)
         b = slots_t.shape[0]
-        ones = torch.ones(b, dtype=torch.int32, device=self.device)
+        ones = torch.ones(b, dtype=torch.int32)
         out = self._step(slots_t, tokens_t[:, None], ones, positions_t)
         aux = out.aux_hidden[:b, 0].clone() if out.aux_hidden is not None else None
         return StepOutput(out.logits[:b].clone(), out.hidden[:b, 0].clone(), aux)
@@ -324,15 +327,14 @@ class TargetEngine:
         if not counts or min(counts) < 1:
             raise ValueError("verify needs at least one token per row")
         width = max(counts)
-        ids = torch.zeros(len(counts), width, dtype=torch.int64)
-        for i, tokens in enumerate(token_lists):
+        for tokens in token_lists:
             self.check_token_ids(tokens)
-            ids[i, :len(tokens)] = torch.as_tensor(tokens)
+        ids = torch.tensor([[*tokens, *[0] * (width - len(tokens))] for tokens in token_lists])
         out = self._step(
-            self._device_tensor(slots, torch.int32),
-            ids.to(self.device),
-            torch.tensor(counts, dtype=torch.int32).to(self.device),
-            self._device_tensor(start_positions, torch.int32),
+            self._step_input(slots, torch.int32),
+            ids,
+            torch.tensor(counts, dtype=torch.int32),
+            self._step_input(start_positions, torch.int32),
         )
         # Graph outputs have the captured grid's row stride; eager ones the batch's own.
         stride = out.hidden.shape[1]
@@ -344,20 +346,25 @@ class TargetEngine:
     def _step(
         self, slots: torch.Tensor, tokens: torch.Tensor, num_tokens: torch.Tensor, positions: torch.Tensor
     ) -> ModelOutput:
-        """One decode/verify step: replays the narrowest CUDA graph that fits, else runs eagerly."""
+        """One decode/verify step: replays the narrowest CUDA graph that fits, else runs eagerly. Inputs may
+        be host tensors: a graph copies them straight into its static buffers, the eager path moves them."""
         graphs = self.graphs_for(*tokens.shape)
         if graphs is not None:
             return graphs.replay(graphs.prepare(slots, tokens, num_tokens, positions))
-        return self.model(tokens, positions, num_tokens, slots, self.cache, aux_layers=self.aux_layers)
+        device = self.device
+        return self.model(tokens.to(device), positions.to(device), num_tokens.to(device), slots.to(device),
+                          self.cache, aux_layers=self.aux_layers)
 
     def graphs_for(self, batch: int, width: int) -> StepGraphs | None:
         """The narrowest captured graph set that fits a step of batch x width tokens; None: eager."""
         return next((g for g in self.graphs if g.fits(batch, width)), None)
 
-    def _device_tensor(self, values: Sequence[int] | torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    @staticmethod
+    def _step_input(values: Sequence[int] | torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """A step input as a tensor of `dtype`, left where it is (lists become host tensors; see _step)."""
         if isinstance(values, torch.Tensor):
-            return values.to(device=self.device, dtype=dtype)
-        return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
+            return values.to(dtype=dtype)
+        return torch.tensor(values, dtype=dtype)
 
     # ------------------------------------------------------------------------------------------ generate
 

@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
-from specwire.kernels.rejection_sampler import DraftProbs, rejection_sample
+from specwire.kernels.rejection_sampler import rejection_sample
 from specwire.verifier.alignment import BatchDrafts, Want, batch_drafts, read_result
 from specwire.verifier.drafter_link import DrafterLink, HandshakeRefused
 
@@ -118,6 +118,25 @@ class SchedulerConfig:
     default_max_tokens: int = 128
     draft_top_k: int = 16  # sampled drafts are drawn from the top-K of the head's q (and shipped sparse)
     overlap: bool = True  # alternate two halves while a drafter is connected
+
+
+class _HostCopy:
+    """A tensor's copy to the host: on CUDA a non-blocking copy into pinned memory, waited for by `wait`."""
+
+    def __init__(self, tensor: torch.Tensor):
+        if tensor.device.type != "cuda":
+            self._host, self._done = tensor, None
+            return
+        self._host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        self._host.copy_(tensor, non_blocking=True)
+        with torch.cuda.device(tensor.device):
+            self._done = torch.cuda.Event()
+            self._done.record()
+
+    def wait(self) -> torch.Tensor:
+        if self._done is not None:
+            self._done.synchronize()
+        return self._host
 
 
 @dataclass
@@ -398,13 +417,17 @@ class Scheduler:
             width = 1
         mode = "eager" if self.engine.graphs_for(len(live), width) is None else "cuda_graph"
         self.metrics.forward_steps.labels(mode=mode).inc()
+        # Every fed row's features start towards the host now, overlapping the sampler; the settled rows are
+        # picked on the host once the sampler has said how many there are.
+        table = _HostCopy(self._feature_table(out.hidden, out.aux_hidden)) if self.link is not None else None
         tokens = self._sample(out.logits, live, batch)
         features = None
-        if self.link is not None:  # the rows the target ran on whose next token is now settled
-            first = torch.tensor([0, *batch.num_drafts]).add(1).cumsum(0)[:-1] - 1
-            index = torch.cat([torch.arange(f, f + len(t))
-                               for f, t in zip(first.tolist(), tokens, strict=True)])
-            rows = self._feature_table(out.hidden, out.aux_hidden)[index.to(out.hidden.device)].cpu()
+        if table is not None:  # the rows the target ran on whose next token is now settled
+            index, first = [], 0
+            for drafted, settled in zip(batch.num_drafts, tokens, strict=True):
+                index += range(first, first + len(settled))
+                first += drafted + 1
+            rows = table.wait()[index]
             features = list(rows.split([len(t) for t in tokens]))
         return _Step(tokens, features)
 
@@ -412,24 +435,19 @@ class Scheduler:
         def column(values: list, dtype: torch.dtype) -> torch.Tensor:
             return torch.tensor(values, dtype=dtype)
 
-        device = logits.device
-        probs = batch.probs
-        if probs is not None:
-            probs = (DraftProbs.dense(probs.probs.to(device)) if probs.is_dense
-                     else DraftProbs.sparse(probs.indices.to(device), probs.values.to(device)))
-        out = rejection_sample(
+        out = rejection_sample(  # draft ids and q go over on the host: the sampler moves them to the logits
             logits,
-            torch.tensor([t for d in batch.token_ids for t in d], dtype=torch.int64).to(device),
+            column([t for d in batch.token_ids for t in d], torch.int64),
             column(batch.num_drafts, torch.int32),
-            probs,
+            batch.probs,
             column([r.params.temperature for r in requests], torch.float32),
             column([r.params.top_k for r in requests], torch.int32),
             column([r.params.top_p for r in requests], torch.float32),
             column([r.seed for r in requests], torch.int64),
             column([len(r.tokens) for r in requests], torch.int64),
         )
-        tokens, counts = out.tokens.cpu().tolist(), out.num_tokens.cpu().tolist()
-        return [row[:n] for row, n in zip(tokens, counts, strict=True)]
+        # One copy back: a row's num_tokens tokens are followed only by -1 padding.
+        return [[t for t in row if t >= 0] for row in out.tokens.cpu().tolist()]
 
     @staticmethod
     def _feature_table(hidden: torch.Tensor, aux: torch.Tensor | None) -> torch.Tensor:
