@@ -59,6 +59,8 @@ class DrafterLink:
         self.info: pb.DrafterInfo | None = None
         self.on_connect: Callable[[], None] = lambda: None
         self._call: grpc.aio.StreamStreamCall | None = None
+        self._outbox: asyncio.Queue = asyncio.Queue()  # steps waiting for the writer of the current stream
+        self._writer: asyncio.Task | None = None
         self._pending: dict[int, _Pending] = {}
         self._next_step = 1
         self.epoch = 0  # counts streams opened, so a caller can tell a step went to a stream now gone
@@ -92,22 +94,17 @@ class DrafterLink:
             return False
         return len(self._pending) < self.max_in_flight
 
-    async def send(self, step: pb.DraftStep) -> asyncio.Future | None:
-        """Writes `step` (its step_id is assigned here); the future resolves to its DraftResult or None.
-        Returns None, sending nothing, when disconnected or when max_in_flight steps are unanswered."""
+    def send(self, step: pb.DraftStep) -> asyncio.Future | None:
+        """Queues `step` for the stream's writer (its step_id is assigned here) and returns at once; the
+        future resolves to its DraftResult, or None (a failed write drops the stream). Returns None, sending
+        nothing, when disconnected or when max_in_flight steps are unanswered."""
         if not self.can_send():
             return None
-        call = self._call
         step.step_id = self._next_step
         self._next_step += 1
         future = asyncio.get_running_loop().create_future()
         self._pending[step.step_id] = _Pending(future, time.perf_counter())
-        try:
-            await call.write(step)
-        except (grpc.RpcError, asyncio.InvalidStateError) as e:
-            self._disconnect(call, f"write failed: {e}")
-            return None
-        self.metrics.rpc_bytes["sent"].inc(step.ByteSize())
+        self._outbox.put_nowait(step)
         return future
 
     async def result(self, future: asyncio.Future) -> pb.DraftResult | None:
@@ -176,12 +173,25 @@ class DrafterLink:
             raise HandshakeRefused(response.message or "drafter said no without a reason")
         self.check_info(response.drafter)
         self.info = response.drafter
-        self._call = stub.Draft()
+        self._call = call = stub.Draft()
+        self._outbox = asyncio.Queue()
+        self._writer = asyncio.get_running_loop().create_task(self._write(call, self._outbox))
         self.epoch += 1
         self.last_error = ""
         log.info("drafter connected", extra={"drafter": self.target, "head": response.drafter.head})
         self.on_connect()
         return time.perf_counter()
+
+    async def _write(self, call: grpc.aio.StreamStreamCall, outbox: asyncio.Queue) -> None:
+        """The stream's writer: one write at a time, in order, so that a sender never waits for one."""
+        while True:
+            step = await outbox.get()
+            try:
+                await call.write(step)
+            except (grpc.RpcError, asyncio.InvalidStateError) as e:
+                self._disconnect(call, f"write failed: {e}")
+                return
+            self.metrics.rpc_bytes["sent"].inc(step.ByteSize())
 
     async def _read(self, call: grpc.aio.StreamStreamCall) -> None:
         while True:
@@ -214,6 +224,7 @@ class DrafterLink:
         if call is None or call is not self._call:
             return
         call.cancel()
+        self._writer.cancel()
         self._call = None
         for pending in self._pending.values():
             if not pending.future.done():

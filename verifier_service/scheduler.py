@@ -175,7 +175,7 @@ class Scheduler:
         self.draining = False
         self._frees: list[str] = []  # requests the drafter knows that left the batch
         self._in_flight: dict[int, tuple[asyncio.Future, dict[str, Want]]] = {}  # half -> its sent step
-        self._feature_columns: torch.Tensor | None = None
+        self._feature_columns: torch.Tensor | slice | None = None
         self._feature_dtype = torch.float32
         self._readback = _Readback()  # the worker's feature table on its way to the host
         self._wake = asyncio.Event()
@@ -255,7 +255,7 @@ class Scheduler:
             self.metrics.num_requests_waiting.set(len(self.waiting))
             if not self.waiting and not self.running:
                 if self._frees and self.speculating:
-                    await self._send_step(0, [])
+                    self._send_step(0, [])
                 self._wake.clear()
                 await self._wake.wait()
                 continue
@@ -342,8 +342,9 @@ class Scheduler:
             self.metrics.fallbacks["down"].inc()
         batch = self._drafts_for(live, result, sent[1] if sent else {})
         step = await self._compute(self._verify_on_worker, live, batch)
-        # The drafter's next step goes out as soon as the new tokens are settled: streaming them and the
-        # metrics happen while it drafts.
+        # The drafter's next step goes out as soon as the new tokens are settled. Streaming them and the
+        # metrics wait for the next loop turn: by then the other half's verification has been handed to the
+        # worker and the step written, so this work overlaps the GPU and the drafter.
         settled = []
         for i, r in enumerate(live):
             if step.features is not None:
@@ -352,18 +353,23 @@ class Scheduler:
                 settled.append((r, self._settle(r, step.tokens[i])))
         try:
             if self.speculating:
-                await self._send_step(half, [r for r in live if r.live])
+                self._send_step(half, [r for r in live if r.live])
         finally:
-            now = time.perf_counter()
-            for r, tokens in settled:
-                self._stream(r, tokens, now)
-            num_drafts = batch.num_drafts
-            accepted = [len(t) - 1 for t in step.tokens]
-            self.metrics.observe_verification(num_drafts, accepted)
-            for r, drafted, taken in zip(live, num_drafts, accepted, strict=True):
-                r.drafts += drafted > 0
-                r.draft_tokens += drafted
-                r.accepted_tokens += taken
+            loop = asyncio.get_running_loop()
+            loop.call_soon(self._finish_round, live, batch.num_drafts, step.tokens, settled)
+
+    def _finish_round(self, live: list[Request], num_drafts: list[int], tokens: list[list[int]],
+                      settled: list[tuple[Request, list[int]]]) -> None:
+        """After a verification: streams the settled tokens, and counts drafts and acceptance."""
+        now = time.perf_counter()
+        for r, new in settled:
+            self._stream(r, new, now)
+        accepted = [len(t) - 1 for t in tokens]
+        self.metrics.observe_verification(num_drafts, accepted)
+        for r, drafted, taken in zip(live, num_drafts, accepted, strict=True):
+            r.drafts += drafted > 0
+            r.draft_tokens += drafted
+            r.accepted_tokens += taken
 
     def _drafts_for(self, live: list[Request], result: dpb.DraftResult | None, wants: dict[str, Want]
                     ) -> BatchDrafts:
@@ -520,6 +526,8 @@ class Scheduler:
         if dtype is None:  # an unknown enum value has no name: print the number
             raise HandshakeRefused(f"drafter asks for features as DType {info.feature_dtype}; this verifier "
                                    f"sends float32, bfloat16 or float16")
+        if blocks == list(range(blocks[0], blocks[0] + len(blocks))):  # adjacent blocks: a slice, no gather
+            columns = slice(blocks[0] * H, (blocks[-1] + 1) * H)
         self._feature_columns, self._feature_dtype = columns, dtype
 
     def _on_drafter_connect(self) -> None:
@@ -558,7 +566,7 @@ class Scheduler:
         rows = torch.cat(blocks)[:, self._feature_columns].to(self._feature_dtype)
         return encode_row_blocks(rows, [len(b) for b in blocks])
 
-    async def _send_step(self, half: int, group: list[Request]) -> None:
+    def _send_step(self, half: int, group: list[Request]) -> None:
         """Tells the drafter what changed for `group` (and who left), and asks for its next drafts."""
         if not self.link.can_send():
             return  # nothing recorded as sent: the next step carries these updates
@@ -591,9 +599,8 @@ class Scheduler:
         for r in told:
             if k := self._num_drafts(r):
                 wants[r.id] = self._want(step, r, k)
-        epoch = self.link.epoch
-        future = await self.link.send(step)
-        if future is None or self.link.epoch != epoch:  # a new stream already asked for everything again
+        future = self.link.send(step)
+        if future is None:
             return
         self._frees.clear()
         for r in told:
