@@ -3,9 +3,9 @@
 Both services run in-process over real gRPC on 127.0.0.1, each on its own event-loop thread, with the tiny
 random target and the bigram EAGLE head of tests/test_services_e2e.py (SmolLM2's 49152-token vocabulary, so
 the sampler and the lm_head rows are real-sized; 4 layers of width 64, so the forward costs next to nothing).
-`--streams` requests at a time generate greedily while cProfile records the verifier's two threads: the
-event loop (scheduler, alignment, drafter link, streaming) and the engine worker (forward, sampler, features).
-The drafter's threads are not profiled.
+`--streams` requests at a time generate greedily while cProfile records four threads: the verifier's event
+loop (scheduler, alignment, drafter link, streaming) and engine worker (forward, sampler, features), and the
+drafter's event loop (the Draft stream) and proposer worker (updates, drafting, the DraftResult).
 
 Prints per thread the top functions by cumulative ms per verify round, then a component summary. The default
 timer is each thread's CPU time (`--timer cpu`), so time spent waiting (for the drafter, the other thread, or
@@ -59,21 +59,32 @@ COMPONENTS = [
     ("loop:   _drafts_for", "loop", ["_drafts_for"]),
     ("loop:     read_result", "loop", ["read_result"]),
     ("loop:     batch_drafts", "loop", ["batch_drafts"]),
-    ("loop:   _emit (detokenise, queue)", "loop", ["_emit"]),
+    ("loop:   _settle (append tokens, finish)", "loop", ["_settle"]),
+    ("loop:   _stream (detokenise, queue)", "loop", ["_stream"]),
     ("loop:   _send_step", "loop", ["_send_step"]),
     ("loop:     _features (encode)", "loop", ["_features"]),
     ("loop:     DrafterLink.send", "loop", ["send"]),
     ("loop: DrafterLink._read", "loop", ["_read"]),
     ("loop: GenerationService.Generate", "loop", ["Generate"]),
     ("loop: Scheduler._reap", "loop", ["_reap"]),
+    ("drafter loop: DrafterService.Draft (all, minus awaits)", "drafter_loop", ["Draft"]),
+    ("drafter loop:   _StepReader.next", "drafter_loop", ["next"]),
+    ("drafter worker: run_step (all)", "drafter_worker", ["run_step"]),
+    ("drafter worker:   _apply (decode features, proposer add/update)", "drafter_worker", ["_apply"]),
+    ("drafter worker:   _propose", "drafter_worker", ["_propose"]),
+    ("drafter worker:     EagleProposer.propose", "drafter_worker", ["propose"]),
+    ("drafter worker:     _split (the DraftResult)", "drafter_worker", ["_split"]),
 ]
 OWNERS = {  # function name -> a path fragment of its file, to tell apart same-named functions
     "_verify_on_worker": "scheduler", "verify": "engine", "decode": "engine", "_step": "engine",
     "_sample": "scheduler", "rejection_sample": "rejection_sampler",
     "_verify": "scheduler", "_drafts_for": "scheduler", "read_result": "alignment",
-    "batch_drafts": "alignment", "_emit": "scheduler", "_send_step": "scheduler", "_features": "scheduler",
+    "batch_drafts": "alignment", "_settle": "scheduler", "_stream": "scheduler", "_send_step": "scheduler",
+    "_features": "scheduler",
     "send": "drafter_link", "_read": "drafter_link", "Generate": "verifier_service/server",
-    "_reap": "scheduler",
+    "_reap": "scheduler", "Draft": "drafter_service/server", "next": "drafter_service/server",
+    "run_step": "drafter_service/server", "_apply": "drafter_service/server",
+    "_propose": "drafter_service/server", "propose": "proposer", "_split": "drafter_service/server",
 }
 
 
@@ -104,12 +115,15 @@ def run_batches(stub, batch: list[list[int]], streams: int, max_tokens: int) -> 
         return sum(pool.map(lambda p: generate(stub, p, max_tokens), batch))
 
 
-def on_thread(loop: Loop, worker: ThreadPoolExecutor, fn) -> None:
-    """Runs fn(thread) on the verifier's event-loop thread and on its engine worker thread."""
-    done = threading.Event()
-    loop.loop.call_soon_threadsafe(lambda: (fn("loop"), done.set()))
-    worker.submit(fn, "worker").result()
-    done.wait(10)
+def on_threads(threads: dict[str, Loop | ThreadPoolExecutor], fn) -> None:
+    """Runs fn(name) on each named event-loop thread or single-thread worker."""
+    for name, thread in threads.items():
+        if isinstance(thread, Loop):
+            done = threading.Event()
+            thread.loop.call_soon_threadsafe(lambda name=name, done=done: (fn(name), done.set()))
+            assert done.wait(10), f"the {name} thread did not answer"
+        else:
+            thread.submit(fn, name).result()
 
 
 def cumulative(stats: pstats.Stats, name: str) -> tuple[float, int]:
@@ -156,14 +170,16 @@ def main() -> int:
     run_batches(stub, batch[:args.streams], args.streams, 16)  # warm-up: graphs, allocator, grpc channels
 
     timer = time.thread_time if args.timer == "cpu" else time.perf_counter
-    profiles = {"loop": cProfile.Profile(timer), "worker": cProfile.Profile(timer)}
+    threads = {"loop": verifier_loop, "worker": scheduler._worker,
+               "drafter_loop": drafter_loop, "drafter_worker": drafter.service._worker}
+    profiles = {name: cProfile.Profile(timer) for name in threads}
     metrics = server.metrics
     steps_before = metrics.num_draft_tokens._value.get(), metrics.num_accepted_tokens._value.get()
-    on_thread(verifier_loop, scheduler._worker, lambda thread: profiles[thread].enable())
+    on_threads(threads, lambda name: profiles[name].enable())
     started = time.perf_counter()
     tokens = run_batches(stub, batch, args.streams, args.max_tokens)
     seconds = time.perf_counter() - started
-    on_thread(verifier_loop, scheduler._worker, lambda thread: profiles[thread].disable())
+    on_threads(threads, lambda name: profiles[name].disable())
 
     stats = {thread: pstats.Stats(prof) for thread, prof in profiles.items()}
     rounds = cumulative(stats["worker"], "_verify_on_worker")[1]

@@ -142,7 +142,8 @@ class EagleProposer:
         if request.num_cached + request.num_pending + len(tokens) > self.max_context:
             raise ProposerError(f"request {request_id!r} exceeds the drafter context of {self.max_context}")
         request.pending_tokens += tokens
-        request.pending_features.append(features.to(self.device, self.head.dtype))
+        # Kept on the host until propose(), which sends every request's pending features over in one copy.
+        request.pending_features.append(features.to("cpu", self.head.dtype))
 
     # ------------------------------------------------------------------------------------ propose
 
@@ -204,9 +205,7 @@ class EagleProposer:
         counts = [r.num_pending - 1 for r in rows]
         width = max(counts)
         ids = torch.zeros(len(rows), width, dtype=torch.int64)
-        feats = torch.zeros(
-            len(rows), width, self.head.config.feature_dim, dtype=self.head.dtype, device=self.device
-        )
+        feats = torch.zeros(len(rows), width, self.head.config.feature_dim, dtype=self.head.dtype)
         for i, (r, n) in enumerate(zip(rows, counts, strict=True)):
             ids[i, :n] = torch.tensor(r.pending_tokens[:n])
             feats[i, :n] = torch.cat(r.pending_features)[:n]
@@ -216,7 +215,7 @@ class EagleProposer:
 
         self.head(
             ids.to(self.device),
-            feats,
+            feats.to(self.device),
             column([r.num_cached for r in rows]),
             column(counts),
             column([r.slot for r in rows]),
@@ -231,24 +230,27 @@ class EagleProposer:
     def _load_batch(
         self, requests: list[_Request], ks: list[int], temperature: list[float], top_k: list[int], size: int
     ) -> None:
-        """Rewrite every input buffer of rows [0, size): live rows from the requests, the rest as padding."""
-        B, T = len(requests), self._T
-        meta = torch.zeros(5, size, dtype=torch.int32)
-        meta[self._SLOT] = self.cache.trash_slot
-        ids = torch.zeros(size, T, dtype=torch.int64)
-        flat_rows = []
-        for b, r in enumerate(requests):
-            meta[:, b] = torch.tensor([r.slot, r.num_cached, r.num_pending, ks[b], top_k[b]])
-            ids[b, : r.num_pending] = torch.tensor(r.pending_tokens)
-            flat_rows += range(b * T, b * T + r.num_pending)
-        temps = torch.zeros(size, dtype=torch.float32)
-        temps[:B] = torch.tensor(temperature, dtype=torch.float32)
+        """Rewrite every input buffer of rows [0, size): live rows from the requests, the rest as padding.
+        Built on the host, then one non-blocking copy per buffer (the pending features of all rows in one)."""
+        T, pad = self._T, size - len(requests)
+        meta = torch.tensor([
+            [r.slot for r in requests] + [self.cache.trash_slot] * pad,
+            [r.num_cached for r in requests] + [0] * pad,
+            [r.num_pending for r in requests] + [0] * pad,
+            [*ks, *[0] * pad],
+            [*top_k, *[0] * pad],
+        ], dtype=torch.int32)
+        ids = torch.tensor([r.pending_tokens + [0] * (T - r.num_pending) for r in requests] + [[0] * T] * pad,
+                           dtype=torch.int64)
+        temps = torch.tensor([*temperature, *[0.0] * pad], dtype=torch.float32)
         self._meta[:, :size].copy_(meta, non_blocking=True)
         self._temperature[:size].copy_(temps, non_blocking=True)
         self._input_ids[:size].copy_(ids, non_blocking=True)
+        flat_rows = [b * T + i for b, r in enumerate(requests) for i in range(r.num_pending)]
         if flat_rows:
             feats = torch.cat([f for r in requests for f in r.pending_features])
-            index = torch.tensor(flat_rows, device=self.device)
+            feats = feats.to(self.device, non_blocking=True)
+            index = torch.tensor(flat_rows).to(self.device, non_blocking=True)
             self._features.view(-1, self._features.shape[-1]).index_copy_(0, index, feats)
 
     def _draft_loop(self, size: int, mode: str) -> None:
@@ -306,9 +308,8 @@ class EagleProposer:
     def _proposal(self, ks: list[int], temperature: list[float], top_k: list[int]) -> Proposal:
         """Pack rows [b, :k_b] of the output buffers; choose the smallest exact q payload."""
         K = self.max_drafts
-        index = torch.tensor(
-            [b * K + j for b, k in enumerate(ks) for j in range(k)], dtype=torch.int64, device=self.device
-        )
+        index = torch.tensor([b * K + j for b, k in enumerate(ks) for j in range(k)], dtype=torch.int64)
+        index = index.to(self.device, non_blocking=True)
         token_ids = self._tokens.view(-1).index_select(0, index)
         num_drafts = torch.tensor(ks, dtype=torch.int32)
         sampled = [(t, tk) for t, tk, k in zip(temperature, top_k, ks, strict=True) if t > 0 and k > 0]
@@ -326,9 +327,8 @@ class EagleProposer:
             return Proposal(token_ids, num_drafts, DraftProbs.sparse(unused, top_q))
         # Some sampled row drafts from the full vocabulary: dense q, truncated rows scattered in.
         row_full = torch.tensor(
-            [t > 0 and tk == 0 for t, tk, k in zip(temperature, top_k, ks, strict=True) for _ in range(k)],
-            device=self.device,
-        )
+            [t > 0 and tk == 0 for t, tk, k in zip(temperature, top_k, ks, strict=True) for _ in range(k)]
+        ).to(self.device, non_blocking=True)
         full_q = self._full_q.flatten(0, 1).index_select(0, index)
         vocab = self.head.config.target_vocab_size
         if to_target is not None:

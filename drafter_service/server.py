@@ -32,6 +32,43 @@ _FEATURE_DTYPES = {
 }
 
 
+class _StepReader:
+    """A Draft stream's DraftSteps until it ends or the server drains. Each read is awaited directly (racing
+    every read against the drain in a task of its own costs two tasks and two loop turns a step); one watcher
+    per stream cancels the read in progress when the drain starts."""
+
+    def __init__(self, context: grpc.aio.ServicerContext, draining: asyncio.Event):
+        self.context, self.draining = context, draining
+        self._reader = asyncio.current_task()
+        self._reading = self._cancelled = False
+        self._watcher = asyncio.get_running_loop().create_task(self._watch())
+
+    async def _watch(self) -> None:
+        await self.draining.wait()
+        if self._reading:
+            self._cancelled = True
+            self._reader.cancel()
+
+    async def next(self) -> pb.DraftStep | None:
+        """The next DraftStep, or None at the end of the stream or once the server drains."""
+        if self.draining.is_set():
+            return None
+        self._reading = True
+        try:
+            step = await self.context.read()
+        except asyncio.CancelledError:
+            if not self._cancelled:
+                raise  # the client went away, or the server is stopping
+            self._reader.uncancel()
+            return None
+        finally:
+            self._reading = False
+        return None if step is grpc.aio.EOF else step
+
+    def close(self) -> None:
+        self._watcher.cancel()
+
+
 class DrafterService(drafter_pb2_grpc.DrafterServicer):
     def __init__(self, metrics: DrafterMetrics, draining: asyncio.Event | None = None):
         """Refuses handshakes until `load`. draining: set when the server drains; open Draft streams then
@@ -94,27 +131,17 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
         owned: set[str] = set()
         loop = asyncio.get_running_loop()
         log.info("draft stream opened", extra={"stream": stream, "peer": context.peer()})
+        steps = _StepReader(context, self.draining)
         try:
-            while (step := await self._next_step(context)) is not None:
-                self.metrics.drafter_rpc_bytes.labels(direction="received").inc(step.ByteSize())
+            while (step := await steps.next()) is not None:
+                self.metrics.rpc_bytes["received"].inc(step.ByteSize())
                 result = await loop.run_in_executor(self._worker, self.run_step, stream, owned, step)
-                self.metrics.drafter_rpc_bytes.labels(direction="sent").inc(result.ByteSize())
+                self.metrics.rpc_bytes["sent"].inc(result.ByteSize())
                 await context.write(result)
         finally:
+            steps.close()
             await loop.run_in_executor(self._worker, self._free_all, owned)
             log.info("draft stream closed", extra={"stream": stream})
-
-    async def _next_step(self, context: grpc.aio.ServicerContext) -> pb.DraftStep | None:
-        """The next DraftStep, or None at the end of the stream or once the server drains."""
-        read = asyncio.ensure_future(context.read())
-        drain = asyncio.ensure_future(self.draining.wait())
-        done, _ = await asyncio.wait((read, drain), return_when=asyncio.FIRST_COMPLETED)
-        drain.cancel()
-        if read not in done:
-            read.cancel()
-            return None
-        step = read.result()
-        return None if step is grpc.aio.EOF else step
 
     # ------------------------------------------------------------------------------------------ worker
 
@@ -137,7 +164,7 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
         wanted = list({w.request_id: w for w in wanted}.values())  # one row per request
         if wanted:
             try:
-                result.proposals.extend(self._propose(stream, wanted))
+                self._propose(stream, wanted, result)
             except ProposerError as e:  # a want the proposer cannot serve: this step has no drafts
                 result.error = str(e)
         result.compute_seconds = time.perf_counter() - started
@@ -182,7 +209,7 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
             self._free(key, owned)
         self.metrics.num_requests.set(len(self._known))
 
-    def _propose(self, stream: int, wants: list[pb.DraftWant]) -> list[pb.Proposal]:
+    def _propose(self, stream: int, wants: list[pb.DraftWant], result: pb.DraftResult) -> None:
         p = self.proposer
         keys = [f"{stream}/{w.request_id}" for w in wants]
         # A request with no new tokens since its last proposal has nothing to draft from.
@@ -191,24 +218,25 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
         temperature = [max(w.temperature, 0.0) for w in wants]
         top_k = [min(w.top_k, p.max_top_k) if t > 0 else 0 for w, t in zip(wants, temperature, strict=True)]
         proposal = p.propose(keys, ks, temperature, top_k)
-        self.metrics.forward_steps.labels(mode="cuda_graph" if p.graphs else "eager").inc()
+        self.metrics.forward_steps_by_mode["cuda_graph" if p.graphs else "eager"].inc()
+        self._split(wants, proposal, temperature, top_k, result)
         self.metrics.draft_tokens.inc(int(proposal.num_drafts.sum()))  # k clipped at the drafter's context
-        return self._split(wants, proposal, temperature, top_k)
 
     def _split(self, wants: list[pb.DraftWant], proposal: Proposal, temperature: list[float],
-               top_k: list[int]) -> list[pb.Proposal]:
-        """One Proposal message per request with drafts; q cut back to each row's own kind and width."""
-        ids = proposal.token_ids.cpu()
-        counts = proposal.num_drafts.cpu().tolist()
+               top_k: list[int], result: pb.DraftResult) -> None:
+        """Adds one Proposal per request with drafts to `result`; q cut back to each row's own kind and width.
+        Everything comes to the host in one copy per tensor, then is sliced there."""
+        ids = proposal.token_ids.tolist()
+        counts = proposal.num_drafts.tolist()
         q = proposal.probs
         if q is not None:
             q = (q.probs.cpu(), None) if q.is_dense else (q.indices.cpu(), q.values.cpu())
-        out, start = [], 0
+        start = 0
         for w, k, t, tk in zip(wants, counts, temperature, top_k, strict=True):
             rows, start = slice(start, start + k), start + k
             if k == 0:
                 continue
-            message = pb.Proposal(request_id=w.request_id, draft_token_ids=ids[rows].tolist())
+            message = result.proposals.add(request_id=w.request_id, draft_token_ids=ids[rows])
             if t == 0:
                 message.probs_kind = pb.PROBS_KIND_NONE
             elif tk == 0:
@@ -222,5 +250,3 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
                 message.probs_kind = pb.PROBS_KIND_SPARSE
                 message.sparse.indices.CopyFrom(encode_tensor(indices.to(torch.int32)))
                 message.sparse.values.CopyFrom(encode_tensor(values.float()))
-            out.append(message)
-        return out

@@ -122,10 +122,14 @@ class StepGraphs:
         self.sizes, self.width = capture_sizes(max_batch), width
         self.trash = cache.trash_slot
         device, n = model.device, self.sizes[-1]
-        self.input_ids = torch.zeros(n, width, dtype=torch.int64, device=device)
-        self.start_pos = torch.zeros(n, dtype=torch.int32, device=device)
-        self.num_tokens = torch.zeros(n, dtype=torch.int32, device=device)
-        self.slots = torch.full((n,), self.trash, dtype=torch.int32, device=device)
+        # The static inputs are views of one int32 block (input_ids as int64 at its front), mirrored by a
+        # pinned host block: a step is written on the host and goes over in one non-blocking copy.
+        block = torch.zeros(2 * n * width + 3 * n, dtype=torch.int32, device=device)
+        self.input_ids, self.start_pos, self.num_tokens, self.slots = self._inputs(block, n, width)
+        self.slots.fill_(self.trash)
+        self._block, self._host = block, block.cpu().pin_memory()
+        self._host_inputs = [view.numpy() for view in self._inputs(self._host, n, width)]
+        self._copied = torch.cuda.Event()  # recorded after each copy out of the host block
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, ModelOutput] = {}
 
@@ -148,22 +152,30 @@ class StepGraphs:
     def fits(self, batch: int, width: int) -> bool:
         return batch <= self.sizes[-1] and width <= self.width
 
+    @staticmethod
+    def _inputs(block: torch.Tensor, n: int, width: int) -> list[torch.Tensor]:
+        """input_ids [n, width] int64, start_pos, num_tokens, slots [n] int32: views of an int32 block."""
+        ids = block[:2 * n * width].view(torch.int64).view(n, width)
+        return [ids, *block[2 * n * width:].view(3, n)]
+
     def prepare(
         self, slots: torch.Tensor, tokens: torch.Tensor, num_tokens: torch.Tensor, positions: torch.Tensor
     ) -> int:
-        """tokens [b, <= width] (row b's first num_tokens[b] are live): copy the batch into the static
-        buffers and pad (pad rows -> trash slot); returns the graph size to replay."""
+        """tokens [b, <= width] (row b's first num_tokens[b] are live): write the batch into the host block,
+        pad it (pad rows -> trash slot) and start its copy to the static buffers; returns the graph size to
+        replay. Host tensors are cheapest (device ones are read back first)."""
         b, w = tokens.shape
         size = next(s for s in self.sizes if s >= b)
-        self.input_ids[:b, :w].copy_(tokens)
-        self.input_ids[:b, w:].zero_()
-        self.start_pos[:b].copy_(positions)
-        self.slots[:b].copy_(slots)
-        self.num_tokens[:b].copy_(num_tokens)
-        self.input_ids[b:size].zero_()
-        self.start_pos[b:size].zero_()
-        self.num_tokens[b:size].zero_()
-        self.slots[b:size].fill_(self.trash)
+        self._copied.synchronize()  # free at once unless the last step's inputs are still going over
+        ids, start_pos, counts, slot_ids = self._host_inputs
+        ids[:b, :w] = tokens.cpu().numpy()
+        ids[:b, w:] = 0
+        start_pos[:b] = positions.cpu().numpy()
+        counts[:b] = num_tokens.cpu().numpy()
+        slot_ids[:b] = slots.cpu().numpy()
+        ids[b:size], start_pos[b:size], counts[b:size], slot_ids[b:size] = 0, 0, 0, self.trash
+        self._block.copy_(self._host, non_blocking=True)
+        self._copied.record()
         return size
 
     def replay(self, size: int) -> ModelOutput:
@@ -312,11 +324,11 @@ class TargetEngine:
     ) -> StepOutput:
         """One token per request: last_tokens[b] at absolute position positions[b] of slot slots[b].
         Replays a CUDA graph when the engine has them and the batch fits; eager otherwise."""
-        slots_t = self._device_tensor(slots, torch.int32)
-        tokens_t = self._device_tensor(last_tokens, torch.int64)
-        positions_t = self._device_tensor(positions, torch.int32)
+        slots_t = self._step_input(slots, torch.int32)
+        tokens_t = self._step_input(last_tokens, torch.int64)
+        positions_t = self._step_input(positions, torch.int32)
         b = slots_t.shape[0]
-        ones = torch.ones(b, dtype=torch.int32, device=self.device)
+        ones = torch.ones(b, dtype=torch.int32)
         out = self._step(slots_t, tokens_t[:, None], ones, positions_t)
         aux = out.aux_hidden[:b, 0].clone() if out.aux_hidden is not None else None
         return StepOutput(out.logits[:b].clone(), out.hidden[:b, 0].clone(), aux)
@@ -331,40 +343,51 @@ class TargetEngine:
         if not counts or min(counts) < 1:
             raise ValueError("verify needs at least one token per row")
         width = max(counts)
-        ids = torch.zeros(len(counts), width, dtype=torch.int64)
-        for i, tokens in enumerate(token_lists):
+        for tokens in token_lists:
             self.check_token_ids(tokens)
-            ids[i, :len(tokens)] = torch.as_tensor(tokens)
+        ids = torch.tensor([[*tokens, *[0] * (width - len(tokens))] for tokens in token_lists])
         out = self._step(
-            self._device_tensor(slots, torch.int32),
-            ids.to(self.device),
-            torch.tensor(counts, dtype=torch.int32).to(self.device),
-            self._device_tensor(start_positions, torch.int32),
+            self._step_input(slots, torch.int32),
+            ids,
+            torch.tensor(counts, dtype=torch.int32),
+            self._step_input(start_positions, torch.int32),
         )
-        # Graph outputs have the captured grid's row stride; eager ones the batch's own.
-        stride = out.hidden.shape[1]
-        flat = [i * stride + j for i, n in enumerate(counts) for j in range(n)]
-        index = torch.tensor(flat, device=self.device)
-        aux = out.aux_hidden.flatten(0, 1)[index] if out.aux_hidden is not None else None
-        return StepOutput(out.logits[index], out.hidden.flatten(0, 1)[index], aux)
+        # Graph outputs have the captured grid's row stride; eager ones the batch's own. When every row is
+        # full the fed tokens lead the grid, and a slice (cloned: graph buffers are reused) picks them.
+        stride, fed = out.hidden.shape[1], sum(counts)
+        index = None
+        if fed < len(counts) * stride:
+            index = torch.tensor([i * stride + j for i, n in enumerate(counts) for j in range(n)])
+            index = index.to(self.device, non_blocking=True)
+
+        def pick(t: torch.Tensor) -> torch.Tensor:
+            return t[:fed].clone() if index is None else t[index]
+
+        aux = pick(out.aux_hidden.flatten(0, 1)) if out.aux_hidden is not None else None
+        return StepOutput(pick(out.logits), pick(out.hidden.flatten(0, 1)), aux)
 
     def _step(
         self, slots: torch.Tensor, tokens: torch.Tensor, num_tokens: torch.Tensor, positions: torch.Tensor
     ) -> ModelOutput:
-        """One decode/verify step: replays the narrowest CUDA graph that fits, else runs eagerly."""
+        """One decode/verify step: replays the narrowest CUDA graph that fits, else runs eagerly. Inputs are
+        best on the host: a graph sends them over in one copy, the eager path moves them."""
         graphs = self.graphs_for(*tokens.shape)
         if graphs is not None:
             return graphs.replay(graphs.prepare(slots, tokens, num_tokens, positions))
-        return self.model(tokens, positions, num_tokens, slots, self.cache, aux_layers=self.aux_layers)
+        device = self.device
+        return self.model(tokens.to(device), positions.to(device), num_tokens.to(device), slots.to(device),
+                          self.cache, aux_layers=self.aux_layers)
 
     def graphs_for(self, batch: int, width: int) -> StepGraphs | None:
         """The narrowest captured graph set that fits a step of batch x width tokens; None: eager."""
         return next((g for g in self.graphs if g.fits(batch, width)), None)
 
-    def _device_tensor(self, values: Sequence[int] | torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    @staticmethod
+    def _step_input(values: Sequence[int] | torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """A step input as a tensor of `dtype`, left where it is (lists become host tensors; see _step)."""
         if isinstance(values, torch.Tensor):
-            return values.to(device=self.device, dtype=dtype)
-        return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
+            return values.to(dtype=dtype)
+        return torch.tensor(values, dtype=dtype)
 
     # ------------------------------------------------------------------------------------------ generate
 

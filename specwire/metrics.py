@@ -78,11 +78,10 @@ class _ServiceMetrics:
             "probabilities that do not match their kind, or an unexpected error on the link (link_error).",
             ["reason"],
         )
-        # Pre-create every label value, so rate() sees a 0 before the first event instead of no series.
-        for mode in STEP_MODES:
-            self.forward_steps.labels(mode=mode)
-        for direction in DIRECTIONS:
-            self.drafter_rpc_bytes.labels(direction=direction)
+        # Every label value exists from the start, so rate() sees a 0 before the first event instead of no
+        # series. Per-step paths use these pre-bound children: labels() locks and builds a key every call.
+        self.forward_steps_by_mode = {mode: self.forward_steps.labels(mode=mode) for mode in STEP_MODES}
+        self.rpc_bytes = {d: self.drafter_rpc_bytes.labels(direction=d) for d in DIRECTIONS}
         for reason in BAD_PAYLOAD_REASONS:
             self.bad_payloads.labels(reason=reason)
 
@@ -145,24 +144,24 @@ class VerifierMetrics(_ServiceMetrics):
         self.fallback_steps = c(
             "fallback_steps", "Steps decoded without drafts because of a drafter fault.", ["reason"]
         )
-        for reason in FALLBACK_REASONS:
-            self.fallback_steps.labels(reason=reason)
+        self.fallbacks = {reason: self.fallback_steps.labels(reason=reason) for reason in FALLBACK_REASONS}
+        self._accepted_at: list[Counter] = []  # num_accepted_tokens_per_pos children, bound when first seen
 
     def observe_verification(self, num_draft_tokens: Sequence[int], num_accepted: Sequence[int]) -> None:
         """Counts one verify step: per request, the draft tokens it verified and how many were accepted."""
-        per_position: dict[int, int] = {}
         drafts = 0
         for drafted, accepted in zip(num_draft_tokens, num_accepted, strict=True):
             if not 0 <= accepted <= drafted:
                 raise ValueError(f"accepted {accepted} draft tokens out of {drafted}")
             drafts += drafted > 0
-            for position in range(accepted):
-                per_position[position] = per_position.get(position, 0) + 1
         self.num_drafts.inc(drafts)
         self.num_draft_tokens.inc(sum(num_draft_tokens))
         self.num_accepted_tokens.inc(sum(num_accepted))
-        for position, count in per_position.items():
-            self.num_accepted_tokens_per_pos.labels(position=str(position)).inc(count)
+        longest = max(num_accepted, default=0)
+        while len(self._accepted_at) < longest:
+            self._accepted_at.append(self.num_accepted_tokens_per_pos.labels(position=str(len(self._accepted_at))))
+        for position in range(longest):  # requests that accepted more than `position` drafts
+            self._accepted_at[position].inc(sum(accepted > position for accepted in num_accepted))
 
 
 class DrafterMetrics(_ServiceMetrics):

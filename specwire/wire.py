@@ -6,6 +6,7 @@ element count is bounded, so a bad or hostile payload raises `WireError` instead
 
 import math
 import sys
+from collections.abc import Sequence
 
 import torch
 
@@ -39,11 +40,32 @@ class WireError(ValueError):
 
 def encode_tensor(tensor: torch.Tensor) -> pb.Tensor:
     """Copies `tensor` (any device, any strides) into a Tensor message."""
+    host, data = _host_bytes(tensor)
+    return pb.Tensor(data=data, dtype=_WIRE_DTYPE[host.dtype], shape=list(host.shape))
+
+
+def encode_row_blocks(tensor: torch.Tensor, counts: Sequence[int]) -> list[pb.Tensor]:
+    """Consecutive blocks of counts[i] rows of `tensor` as one Tensor message each, from a single copy to
+    bytes (what encode_tensor of each block gives, for one conversion instead of one per block)."""
+    if tensor.dim() < 1 or sum(counts) != tensor.shape[0] or min(counts, default=0) < 0:
+        raise WireError(f"row blocks {list(counts)} do not split a tensor of shape {list(tensor.shape)}")
+    host, data = _host_bytes(tensor)
+    rest = list(host.shape[1:])
+    row_bytes = math.prod(rest) * host.element_size()
+    messages, start = [], 0
+    for n in counts:
+        end = start + n * row_bytes
+        messages.append(pb.Tensor(data=data[start:end], dtype=_WIRE_DTYPE[host.dtype], shape=[n, *rest]))
+        start = end
+    return messages
+
+
+def _host_bytes(tensor: torch.Tensor) -> tuple[torch.Tensor, bytes]:
+    """The tensor as a contiguous CPU tensor, and its raw bytes."""
     if tensor.dtype not in _WIRE_DTYPE:
         raise WireError(f"cannot encode dtype {tensor.dtype}; supported: {sorted(map(str, _WIRE_DTYPE))}")
     host = tensor.detach().to("cpu").contiguous()
-    flat = host.reshape(-1).view(_BYTE_VIEW.get(host.dtype, host.dtype))
-    return pb.Tensor(data=flat.numpy().tobytes(), dtype=_WIRE_DTYPE[host.dtype], shape=list(host.shape))
+    return host, host.reshape(-1).view(_BYTE_VIEW.get(host.dtype, host.dtype)).numpy().tobytes()
 
 
 def decode_tensor(

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from specwire.v1 import drafter_pb2 as pb
-from specwire.wire import WireError, decode_tensor, encode_tensor
+from specwire.wire import WireError, decode_tensor, encode_row_blocks, encode_tensor
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int32, torch.int64]
 
@@ -92,3 +92,13 @@ def test_unsupported_dtype_refused_on_encode():
 def test_empty_tensor_round_trips():
     y = decode_tensor(encode_tensor(torch.zeros(0, 49152)))
     assert y.shape == (0, 49152) and y.dtype == torch.float32
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_row_blocks_equal_encoding_each_block(dtype):
+    x = _random((7, 3, 2), dtype, torch.Generator().manual_seed(3))
+    counts = [2, 0, 4, 1]
+    blocks = encode_row_blocks(x, counts)
+    assert blocks == [encode_tensor(part) for part in x.split(counts)]
+    with pytest.raises(WireError, match="do not split"):
+        encode_row_blocks(x, [2, 4])

@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
-from specwire.kernels.rejection_sampler import DraftProbs, rejection_sample
+from specwire.kernels.rejection_sampler import rejection_sample
 from specwire.verifier.alignment import BatchDrafts, Want, batch_drafts, read_result
 from specwire.verifier.drafter_link import DrafterLink, HandshakeRefused
 
@@ -36,7 +36,7 @@ from specwire.sampling_params import SamplingParams
 from specwire.tokenizer import IncrementalDetokenizer, Tokenizer
 from specwire.v1 import drafter_pb2 as dpb
 from specwire.v1 import generation_pb2 as gpb
-from specwire.wire import PROTOCOL_VERSION, encode_tensor
+from specwire.wire import PROTOCOL_VERSION, encode_row_blocks
 
 log = logging.getLogger("specwire.verifier.scheduler")
 
@@ -92,6 +92,7 @@ class Request:
     slot: int = -1
     half: int = 0
     features: FeatureRows | None = None
+    unsent_text: str = ""  # detokenised by _settle, not yet streamed
     drafter_len: int = 0
     first_token_at: float = 0.0
     last_token_at: float = 0.0
@@ -120,6 +121,38 @@ class SchedulerConfig:
     overlap: bool = True  # alternate two halves while a drafter is connected
 
 
+class _Readback:
+    """Device -> host copies into one pinned buffer reused from round to round (grown when too small):
+    `start` queues a non-blocking copy, `wait` returns the host tensor once it has landed (CPU tensors pass
+    through). What `wait` returned is overwritten by the next `start`."""
+
+    def __init__(self):
+        self._buffer: torch.Tensor | None = None
+        self._event: torch.cuda.Event | None = None
+        self._host: torch.Tensor | None = None
+        self._copying = False
+
+    def start(self, tensor: torch.Tensor) -> None:
+        self._copying = tensor.is_cuda
+        if not tensor.is_cuda:
+            self._host = tensor
+            return
+        n, buffer = tensor.numel(), self._buffer
+        if buffer is None or buffer.dtype != tensor.dtype or buffer.numel() < n:
+            grown = 2 * buffer.numel() if buffer is not None and buffer.dtype == tensor.dtype else 0
+            self._buffer = buffer = torch.empty(max(n, grown), dtype=tensor.dtype, pin_memory=True)
+        self._host = buffer[:n].view(tensor.shape)
+        self._host.copy_(tensor, non_blocking=True)
+        with torch.cuda.device(tensor.device):
+            self._event = self._event or torch.cuda.Event()
+            self._event.record()
+
+    def wait(self) -> torch.Tensor:
+        if self._copying:
+            self._event.synchronize()
+        return self._host
+
+
 @dataclass
 class _Step:
     """One verification's results, computed on the worker thread."""
@@ -142,8 +175,9 @@ class Scheduler:
         self.draining = False
         self._frees: list[str] = []  # requests the drafter knows that left the batch
         self._in_flight: dict[int, tuple[asyncio.Future, dict[str, Want]]] = {}  # half -> its sent step
-        self._feature_columns: torch.Tensor | None = None
+        self._feature_columns: torch.Tensor | slice | None = None
         self._feature_dtype = torch.float32
+        self._readback = _Readback()  # the worker's feature table on its way to the host
         self._wake = asyncio.Event()
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="verifier-engine")
         self._task: asyncio.Task | None = None
@@ -221,7 +255,7 @@ class Scheduler:
             self.metrics.num_requests_waiting.set(len(self.waiting))
             if not self.waiting and not self.running:
                 if self._frees and self.speculating:
-                    await self._send_step(0, [])
+                    self._send_step(0, [])
                 self._wake.clear()
                 await self._wake.wait()
                 continue
@@ -305,22 +339,37 @@ class Scheduler:
         if not live:
             return
         if sent is None and self.config.num_speculative_tokens and self.link and not self.link.connected:
-            self.metrics.fallback_steps.labels(reason="down").inc()
+            self.metrics.fallbacks["down"].inc()
         batch = self._drafts_for(live, result, sent[1] if sent else {})
         step = await self._compute(self._verify_on_worker, live, batch)
-        num_drafts = batch.num_drafts
-        accepted = [len(t) - 1 for t in step.tokens]
-        self.metrics.observe_verification(num_drafts, accepted)
+        # The drafter's next step goes out as soon as the new tokens are settled. Streaming them and the
+        # metrics wait for the next loop turn: by then the other half's verification has been handed to the
+        # worker and the step written, so this work overlaps the GPU and the drafter.
+        settled = []
         for i, r in enumerate(live):
-            r.drafts += num_drafts[i] > 0
-            r.draft_tokens += num_drafts[i]
-            r.accepted_tokens += accepted[i]
             if step.features is not None:
                 r.features.append(step.features[i])
             if r.live:  # an abort that came in during the step wins: nothing more is streamed
-                self._emit(r, step.tokens[i])
-        if self.speculating:
-            await self._send_step(half, [r for r in live if r.live])
+                settled.append((r, self._settle(r, step.tokens[i])))
+        try:
+            if self.speculating:
+                self._send_step(half, [r for r in live if r.live])
+        finally:
+            loop = asyncio.get_running_loop()
+            loop.call_soon(self._finish_round, live, batch.num_drafts, step.tokens, settled)
+
+    def _finish_round(self, live: list[Request], num_drafts: list[int], tokens: list[list[int]],
+                      settled: list[tuple[Request, list[int]]]) -> None:
+        """After a verification: streams the settled tokens, and counts drafts and acceptance."""
+        now = time.perf_counter()
+        for r, new in settled:
+            self._stream(r, new, now)
+        accepted = [len(t) - 1 for t in tokens]
+        self.metrics.observe_verification(num_drafts, accepted)
+        for r, drafted, taken in zip(live, num_drafts, accepted, strict=True):
+            r.drafts += drafted > 0
+            r.draft_tokens += drafted
+            r.accepted_tokens += taken
 
     def _drafts_for(self, live: list[Request], result: dpb.DraftResult | None, wants: dict[str, Want]
                     ) -> BatchDrafts:
@@ -334,7 +383,7 @@ class Scheduler:
             self.metrics.bad_payloads.labels(reason="unknown_request").inc(len(aligned.unknown_ids))
         if aligned.invalid:
             self.metrics.bad_payloads.labels(reason="bad_tensor").inc(len(aligned.invalid))
-            self.metrics.fallback_steps.labels(reason="bad_payload").inc()
+            self.metrics.fallbacks["bad_payload"].inc()
             log.warning("bad drafter proposals", extra={"invalid": aligned.invalid})
         for rid in result.dropped_request_ids:  # the drafter lost it: re-send the whole request next step
             if (r := self.requests.get(rid)) is not None:
@@ -343,29 +392,43 @@ class Scheduler:
 
     def _emit(self, r: Request, new_tokens: list[int]) -> None:
         """Appends tokens up to the first that finishes the request, and streams them."""
-        now = time.perf_counter()
+        self._stream(r, self._settle(r, new_tokens), time.perf_counter())
+
+    def _settle(self, r: Request, new_tokens: list[int]) -> list[int]:
+        """Appends tokens up to the first that finishes the request (EOS, a stop string, a length limit) and
+        returns them. Only a request with stop strings needs their text now, token by token, to find the one
+        that stops it; the others are detokenised in _stream, all at once."""
+        settled = []
+        for token in new_tokens:
+            r.tokens.append(token)
+            settled.append(token)
+            if r.params.stop:
+                r.unsent_text += r.detokenizer.push([token])
+            if token in r.eos_ids or r.detokenizer.stopped:
+                r.finish_reason = "stop"
+            elif r.num_output >= r.params.max_tokens or len(r.tokens) >= self.max_context:
+                r.finish_reason = "length"
+            if r.finish_reason:
+                break
+        return settled
+
+    def _stream(self, r: Request, tokens: list[int], now: float) -> None:
+        """Streams settled tokens with their text (the rest of it once the request finished)."""
         if r.first_token_at == 0.0:
             r.first_token_at = now
             self.metrics.time_to_first_token.observe(now - r.arrived)
         else:
             self.metrics.inter_token_latency.observe(now - r.last_token_at)
         r.last_token_at = now
-        emitted, text = [], ""
-        for token in new_tokens:
-            r.tokens.append(token)
-            emitted.append(token)
-            text += r.detokenizer.push([token])
-            if token in r.eos_ids or r.detokenizer.stopped:
-                r.finish_reason = "stop"
-            elif r.num_output >= r.params.max_tokens or len(r.tokens) >= self.max_context:
-                r.finish_reason = "length"
-            if r.finish_reason:
-                text += r.detokenizer.flush()
-                if r.detokenizer.stopped:
-                    r.matched_stop = self._matched_stop(r)
-                break
-        self.metrics.generation_tokens.inc(len(emitted))
-        r.outputs.put_nowait(Output(emitted, text, r.finish_reason))
+        text, r.unsent_text = r.unsent_text, ""
+        if not r.params.stop:
+            text += r.detokenizer.push(tokens)
+        if r.finish_reason:
+            text += r.detokenizer.flush()
+            if r.detokenizer.stopped:
+                r.matched_stop = self._matched_stop(r)
+        self.metrics.generation_tokens.inc(len(tokens))
+        r.outputs.put_nowait(Output(tokens, text, r.finish_reason))
 
     def _matched_stop(self, r: Request) -> str:
         text = self.tokenizer.decode(r.tokens[len(r.prompt):])
@@ -376,7 +439,7 @@ class Scheduler:
     @torch.inference_mode()
     def _prefill_on_worker(self, admitted: list[Request]) -> _Step:
         out = self.engine.prefill([(r.slot, r.prompt) for r in admitted])
-        self.metrics.forward_steps.labels(mode="eager").inc()
+        self.metrics.forward_steps_by_mode["eager"].inc()
         none = BatchDrafts([[] for _ in admitted], None)
         tokens = self._sample(out.logits, admitted, none)
         features = None
@@ -397,14 +460,19 @@ class Scheduler:
             out = self.engine.decode(slots, [r.tokens[-1] for r in live], starts)
             width = 1
         mode = "eager" if self.engine.graphs_for(len(live), width) is None else "cuda_graph"
-        self.metrics.forward_steps.labels(mode=mode).inc()
+        self.metrics.forward_steps_by_mode[mode].inc()
+        # Every fed row's features start towards the host now, overlapping the sampler; the settled rows are
+        # picked on the host once the sampler has said how many there are.
+        if self.link is not None:
+            self._readback.start(self._feature_table(out.hidden, out.aux_hidden))
         tokens = self._sample(out.logits, live, batch)
         features = None
         if self.link is not None:  # the rows the target ran on whose next token is now settled
-            first = torch.tensor([0, *batch.num_drafts]).add(1).cumsum(0)[:-1] - 1
-            index = torch.cat([torch.arange(f, f + len(t))
-                               for f, t in zip(first.tolist(), tokens, strict=True)])
-            rows = self._feature_table(out.hidden, out.aux_hidden)[index.to(out.hidden.device)].cpu()
+            index, first = [], 0
+            for drafted, settled in zip(batch.num_drafts, tokens, strict=True):
+                index += range(first, first + len(settled))
+                first += drafted + 1
+            rows = self._readback.wait()[index]
             features = list(rows.split([len(t) for t in tokens]))
         return _Step(tokens, features)
 
@@ -412,24 +480,19 @@ class Scheduler:
         def column(values: list, dtype: torch.dtype) -> torch.Tensor:
             return torch.tensor(values, dtype=dtype)
 
-        device = logits.device
-        probs = batch.probs
-        if probs is not None:
-            probs = (DraftProbs.dense(probs.probs.to(device)) if probs.is_dense
-                     else DraftProbs.sparse(probs.indices.to(device), probs.values.to(device)))
-        out = rejection_sample(
+        out = rejection_sample(  # draft ids and q go over on the host: the sampler moves them to the logits
             logits,
-            torch.tensor([t for d in batch.token_ids for t in d], dtype=torch.int64).to(device),
+            column([t for d in batch.token_ids for t in d], torch.int64),
             column(batch.num_drafts, torch.int32),
-            probs,
+            batch.probs,
             column([r.params.temperature for r in requests], torch.float32),
             column([r.params.top_k for r in requests], torch.int32),
             column([r.params.top_p for r in requests], torch.float32),
             column([r.seed for r in requests], torch.int64),
             column([len(r.tokens) for r in requests], torch.int64),
         )
-        tokens, counts = out.tokens.cpu().tolist(), out.num_tokens.cpu().tolist()
-        return [row[:n] for row, n in zip(tokens, counts, strict=True)]
+        # One copy back: a row's num_tokens tokens are followed only by -1 padding.
+        return [[t for t in row if t >= 0] for row in out.tokens.cpu().tolist()]
 
     @staticmethod
     def _feature_table(hidden: torch.Tensor, aux: torch.Tensor | None) -> torch.Tensor:
@@ -463,6 +526,8 @@ class Scheduler:
         if dtype is None:  # an unknown enum value has no name: print the number
             raise HandshakeRefused(f"drafter asks for features as DType {info.feature_dtype}; this verifier "
                                    f"sends float32, bfloat16 or float16")
+        if blocks == list(range(blocks[0], blocks[0] + len(blocks))):  # adjacent blocks: a slice, no gather
+            columns = slice(blocks[0] * H, (blocks[-1] + 1) * H)
         self._feature_columns, self._feature_dtype = columns, dtype
 
     def _on_drafter_connect(self) -> None:
@@ -483,49 +548,59 @@ class Scheduler:
         room = min(self.max_context - len(r.tokens), r.params.max_tokens - r.num_output) - 1
         return max(0, min(self.config.num_speculative_tokens, self.link.info.max_num_drafts, room))
 
-    def _want(self, r: Request, k: int) -> tuple[dpb.DraftWant, Want]:
+    def _want(self, step: dpb.DraftStep, r: Request, k: int) -> Want:
+        """Adds r's DraftWant to `step`."""
         p = r.params
         # Seeded requests draft greedily: one-hot q is exact and the drafts (so the output) repeat.
         temperature = 0.0 if p.greedy or p.seed is not None else p.temperature
         top_k = 0 if temperature == 0 else min(p.top_k or self.config.draft_top_k, self.config.draft_top_k)
-        want = dpb.DraftWant(request_id=r.id, num_drafts=k, temperature=temperature, top_k=top_k)
+        want = step.wants.add(request_id=r.id, num_drafts=k, temperature=temperature, top_k=top_k)
         if p.seed is not None:
             want.seed = p.seed
-        return want, Want(k, temperature, top_k)
+        return Want(k, temperature, top_k)
 
-    def _features(self, r: Request, start: int, end: int) -> dpb.Tensor:
-        return encode_tensor(r.features[start:end][:, self._feature_columns].to(self._feature_dtype))
+    def _features(self, sends: list[tuple[Request, int]]) -> list[dpb.Tensor]:
+        """Per (request, first token to send): the features of the positions before those tokens, picked
+        and converted for the drafter once for the whole step."""
+        blocks = [r.features[max(start - 1, 0):len(r.tokens) - 1] for r, start in sends]
+        rows = torch.cat(blocks)[:, self._feature_columns].to(self._feature_dtype)
+        return encode_row_blocks(rows, [len(b) for b in blocks])
 
-    async def _send_step(self, half: int, group: list[Request]) -> None:
+    def _send_step(self, half: int, group: list[Request]) -> None:
         """Tells the drafter what changed for `group` (and who left), and asks for its next drafts."""
         if not self.link.can_send():
             return  # nothing recorded as sent: the next step carries these updates
         step = dpb.DraftStep()
-        step.updates.extend(dpb.RequestUpdate(request_id=rid, free=dpb.Free()) for rid in self._frees)
+        for rid in self._frees:
+            step.updates.add(request_id=rid).free.SetInParent()
         wants: dict[str, Want] = {}
         # Past max_requests the drafter refuses a NewRequest, which would then be re-sent whole (every prompt
         # feature) each step. A request without room waits, undrafted, for one; this step's frees come first.
         room = self._drafter_room()
-        told = []
+        told, sends = [], []  # sends: (request, its first token the drafter has not been told)
         for r in group:
-            n = len(r.tokens)
             if r.drafter_len == 0:
                 if room == 0:
                     continue
                 room -= 1
-                new = dpb.NewRequest(token_ids=r.tokens, features=self._features(r, 0, n - 1))
-                step.updates.append(dpb.RequestUpdate(request_id=r.id, new_request=new))
-            elif r.drafter_len < n:
-                accepted = dpb.Accepted(position=r.drafter_len, token_ids=r.tokens[r.drafter_len:],
-                                        features=self._features(r, r.drafter_len - 1, n - 1))
-                step.updates.append(dpb.RequestUpdate(request_id=r.id, accepted=accepted))
+                sends.append((r, 0))
+            elif r.drafter_len < len(r.tokens):
+                sends.append((r, r.drafter_len))
             told.append(r)
+        for (r, start), features in zip(sends, self._features(sends) if sends else [], strict=True):
+            update = step.updates.add(request_id=r.id)
+            if start == 0:
+                update.new_request.token_ids.extend(r.tokens)
+                update.new_request.features.CopyFrom(features)
+            else:
+                update.accepted.position = start
+                update.accepted.token_ids.extend(r.tokens[start:])
+                update.accepted.features.CopyFrom(features)
+        for r in told:
             if k := self._num_drafts(r):
-                message, wants[r.id] = self._want(r, k)
-                step.wants.append(message)
-        epoch = self.link.epoch
-        future = await self.link.send(step)
-        if future is None or self.link.epoch != epoch:  # a new stream already asked for everything again
+                wants[r.id] = self._want(step, r, k)
+        future = self.link.send(step)
+        if future is None:
             return
         self._frees.clear()
         for r in told:

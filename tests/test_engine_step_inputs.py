@@ -1,0 +1,73 @@
+"""Host-side step inputs and outputs: verify rows that fill the grid are picked by a slice (no index copy),
+CUDA-graph inputs go over from one pinned block, and the scheduler's pinned feature readback."""
+
+import pytest
+import torch
+from specwire.verifier.scheduler import _Readback
+from test_engine import close, tiny_checkpoint
+
+from specwire.engine import TargetEngine
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def full_row_verify(device: str, cuda_graphs: bool):
+    """Two prompts, then a verify step whose rows both feed 5 tokens (the captured width): its outputs, and
+    the same positions from prefilling prompt + continuation in one go."""
+    engine = TargetEngine(device=device, dtype=torch.float32, max_slots=4, max_context=64, aux_layers=(1,),
+                          max_verify_tokens=5, cuda_graphs=cuda_graphs, checkpoint=tiny_checkpoint())
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(512, (n,), generator=gen).tolist() for n in (9, 14)]
+    conts = [torch.randint(512, (5,), generator=gen).tolist() for _ in prompts]
+    refs = [engine.prefill([(2 + i, p + c)]) for i, (p, c) in enumerate(zip(prompts, conts, strict=True))]
+    engine.prefill([(0, prompts[0]), (1, prompts[1])])
+    out = engine.verify([0, 1], conts, [len(p) for p in prompts])
+    return engine, out, refs
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, gpu])])
+def test_full_verify_rows_agree_with_prefill(device):
+    engine, out, refs = full_row_verify(device, cuda_graphs=True)
+    assert out.logits.shape == (10, 512) and out.hidden.shape == out.aux_hidden.shape == (10, 128)
+    for i, ref in enumerate(refs):
+        rows = slice(5 * i, 5 * i + 5)
+        assert close(out.hidden[rows], ref.hidden[-5:]) and close(out.aux_hidden[rows], ref.aux_hidden[-5:])
+        assert close(out.logits[5 * i + 4], ref.logits[0])
+    # What verify returned is the caller's: later steps (graph replays on CUDA) leave it alone.
+    kept = out.logits.clone()
+    engine.verify([3], [[1, 2, 3, 4, 5]], [30])
+    engine.decode([3, 2], [7, 8], [35, 20])
+    assert torch.equal(out.logits, kept)
+
+
+@pytest.mark.gpu
+@gpu
+def test_graph_inputs_from_the_pinned_block_match_eager_step_after_step():
+    """Steps of different shapes in a row reuse one pinned input block: each equals the eager step."""
+    engine, _, _ = full_row_verify("cuda", cuda_graphs=True)
+    steps = [([0, 1], [[5, 6], [7, 8, 9, 10, 11]], [14, 19]), ([1], [[12, 13, 14]], [24]),
+             ([0, 1, 3], [[1], [2], [3]], [16, 27, 0])]
+    for slots, rows, starts in steps:
+        before = (engine.cache.k.clone(), engine.cache.v.clone())
+        graph = engine.verify(slots, rows, starts)
+        engine.cache.k.copy_(before[0])
+        engine.cache.v.copy_(before[1])
+        graphs, engine.graphs = engine.graphs, []
+        eager = engine.verify(slots, rows, starts)
+        engine.graphs = graphs
+        assert close(graph.logits, eager.logits, 1e-5) and close(graph.hidden, eager.hidden, 1e-5)
+
+
+@pytest.mark.gpu
+@gpu
+def test_readback_copies_through_one_reused_pinned_buffer():
+    readback = _Readback()
+    tables = [torch.randn(6, 32, device="cuda"), torch.randn(3, 32, device="cuda"),
+              torch.randn(40, 32, device="cuda"), torch.randn(5, 16, device="cuda").bfloat16()]
+    for table in tables:
+        readback.start(table)
+        host = readback.wait()
+        assert host.is_pinned() and host.dtype == table.dtype and torch.equal(host, table.cpu())
+    cpu = torch.randn(4, 8)
+    readback.start(cpu)
+    assert readback.wait() is cpu
