@@ -12,6 +12,10 @@ Batch B sends B requests at once (fixed length: ignore_eos) and times them wall 
 verifier then gets the same B prompts. Greedy equality compares each prompt's tokens between the two; bf16
 kernels that differ between a 1-token decode and a (1 + k)-token verify can make rare ties break apart, so
 the rate is measured, not assumed.
+
+Where a speculative round's time goes comes from the services' own Prometheus /metrics, scraped before and
+after each batch size: per verification, the verifier's engine-thread time and the drafter round trip it
+waited for, and the drafter's compute per DraftStep (means over the run).
 """
 
 from __future__ import annotations
@@ -23,12 +27,22 @@ import platform
 import sys
 import tempfile
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from prometheus_client.parser import text_string_to_metric_families
 from specwire.drafter.cli import DEFAULT_HEAD
 
-from specwire.commands.demo import Totals, start, stop, stream, wait_drafter_connected, wait_serving
+from specwire.commands.demo import (
+    Totals,
+    free_port,
+    start,
+    stop,
+    stream,
+    wait_drafter_connected,
+    wait_serving,
+)
 from specwire.default_model import resolve_model_path
 
 PROMPTS = [
@@ -51,6 +65,34 @@ def run_batch(port: int, prompts: list[str], max_tokens: int) -> tuple[float, li
         list(pool.map(lambda i: stream(port, prompts[i], max_tokens, False, totals[i], ignore_eos=True),
                       range(len(prompts))))
     return time.perf_counter() - started, totals
+
+
+# (name in the report, metric family, which service): histograms whose sum and count give a mean
+BREAKDOWN = [("verify_step_ms", "specwire_verify_step_seconds", "verifier"),
+             ("drafter_round_trip_ms", "specwire_drafter_rpc_latency_seconds", "verifier"),
+             ("drafter_compute_ms", "specwire_drafter_step_seconds", "drafter")]
+
+
+def scrape(port: int) -> dict[str, float]:
+    """Every sample of a /metrics endpoint, by sample name (label-free samples only)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    return {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples
+            if not s.labels}
+
+
+def breakdown(before: dict[str, dict], after: dict[str, dict], seconds: float) -> dict[str, float]:
+    """Mean ms of each BREAKDOWN histogram between two scrapes, and wall ms per verification."""
+    def delta(service: str, sample: str) -> float:
+        return after[service].get(sample, 0.0) - before[service].get(sample, 0.0)
+
+    out = {}
+    for name, family, service in BREAKDOWN:
+        count = delta(service, family + "_count")
+        out[name] = 1e3 * delta(service, family + "_sum") / count if count else 0.0
+    steps = delta("verifier", "specwire_verify_step_seconds_count")
+    out["wall_per_verification_ms"] = 1e3 * seconds / steps if steps else 0.0
+    return out
 
 
 def measure(port: int, prompts: list[str], batch: int, max_tokens: int, repeats: int) -> dict:
@@ -88,10 +130,13 @@ def main() -> int:
         return ["--device", d] if d else []
 
     logs = Path(tempfile.mkdtemp(prefix="specwire-bench-"))
+    metrics_ports = {"drafter": free_port(), "verifier": free_port()}
     drafter = start("drafter", ["drafter", "--model", model, "--head", args.head,
-                                *device(args.drafter_device), "--max-drafts", str(args.k)], logs)
+                                *device(args.drafter_device), "--max-drafts", str(args.k),
+                                "--metrics-port", str(metrics_ports["drafter"])], logs)
     common = ["verifier", "--model", model, *device(args.verifier_device), "--max-slots", slots]
-    spec = start("verifier", [*common, "--k", str(args.k), "--drafter", f"127.0.0.1:{drafter.port}"], logs)
+    spec = start("verifier", [*common, "--k", str(args.k), "--drafter", f"127.0.0.1:{drafter.port}",
+                              "--metrics-port", str(metrics_ports["verifier"])], logs)
     base = start("target-only verifier", [*common, "--k", "0"], logs)
     services = [drafter, spec, base]
     results = []
@@ -102,7 +147,10 @@ def main() -> int:
         for port in (spec.port, base.port):  # warm-up: Triton compilation, first allocations
             run_batch(port, PROMPTS[:max(batch_sizes)], 8)
         for batch in batch_sizes:
+            before = {name: scrape(port) for name, port in metrics_ports.items()}
             s = measure(spec.port, PROMPTS, batch, args.max_tokens, args.repeats)
+            after = {name: scrape(port) for name, port in metrics_ports.items()}
+            s["per_verification"] = breakdown(before, after, s["seconds"])
             b = measure(base.port, PROMPTS, batch, args.max_tokens, args.repeats)
             same = sum(x == y for x, y in zip(s.pop("outputs"), b.pop("outputs"), strict=True))
             results.append({"batch": batch, "speculative": s, "target_only": b,
@@ -118,6 +166,8 @@ def main() -> int:
         print(f"{r['batch']:>5} {spec_['tokens_per_s']:>11.1f} {base_['tokens_per_s']:>13.1f} "
               f"{r['speedup']:>7.2f}x {spec_['mean_acceptance_length']:>11.2f} "
               f"{r['greedy_equal_rate']:>10.0%}")
+        print("      speculative, per verification (ms): " + ", ".join(
+            f"{k} {v:.3f}" for k, v in r["speculative"]["per_verification"].items()))
     report = {
         "bench": "services", "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "python": sys.version.split()[0], "platform": platform.platform(), "model": model, "head": args.head,

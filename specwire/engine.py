@@ -453,7 +453,7 @@ class TargetEngine:
         absolute position of the sampled token), so a seeded request repeats whatever its batch."""
         out = rejection_sample(  # per-request columns on the CPU: the sampler validates them there
             logits,
-            torch.empty(0, dtype=torch.int64, device=self.device),
+            torch.empty(0, dtype=torch.int64),
             torch.zeros(len(batch), dtype=torch.int32),
             None,
             torch.tensor([s.params.temperature for s in batch], dtype=torch.float32),
@@ -461,8 +461,9 @@ class TargetEngine:
             torch.tensor([s.params.top_p for s in batch], dtype=torch.float32),
             torch.tensor([s.seed for s in batch], dtype=torch.int64),
             torch.tensor([s.length for s in batch], dtype=torch.int64),
+            defer_check=True,  # no wait for the device until the one copy back, which also checks
         )
-        return out.tokens[:, 0].tolist()
+        return [tokens[0] for tokens in out.token_lists()]
 
 
 class _Sequence:

@@ -141,6 +141,10 @@ class VerifierMetrics(_ServiceMetrics):
         self.drafter_rpc_latency = h(
             "drafter_rpc_latency_seconds", "DraftStep sent to its DraftResult received.", STEP_BUCKETS
         )
+        self.verify_step_time = h(
+            "verify_step_seconds", "Engine-thread time of one verification (forward, sampling, readback).",
+            STEP_BUCKETS,
+        )
         self.fallback_steps = c(
             "fallback_steps", "Steps decoded without drafts because of a drafter fault.", ["reason"]
         )

@@ -17,6 +17,7 @@ import torch
 from specwire.drafter.eagle_head import EagleHead, EagleHeadConfig
 from specwire.drafter.proposer import EagleProposer
 from specwire.drafter.server import DrafterService
+from specwire.kernels.rejection_sampler import rejection_sample
 from specwire.verifier.scheduler import SchedulerConfig
 from specwire.verifier.server import VerifierServer, VerifierSettings
 
@@ -223,6 +224,7 @@ def generate_all(verifier: Verifier, prompt_list, **kwargs) -> list:
 def test_greedy_through_both_services_equals_target_only(world):
     v = world.verifier
     accepted_before = v.counter(v.metrics.num_accepted_tokens)
+    steps_before = v.metrics.registry.get_sample_value("specwire_verify_step_seconds_count")
     batch = prompts(20)
     results = generate_all(v, batch, max_tokens=24)
     expected = greedy_reference(world.checkpoint, batch, 24)
@@ -237,6 +239,40 @@ def test_greedy_through_both_services_equals_target_only(world):
     assert 0 < accepted < drafted
     assert v.counter(v.metrics.num_accepted_tokens) - accepted_before == accepted
     assert all(u.mean_acceptance_length == 1 + u.accepted_tokens / u.drafts for u in usage if u.drafts)
+    # Every verification is timed: at least one per 1 + k tokens of the longest request.
+    steps = v.metrics.registry.get_sample_value("specwire_verify_step_seconds_count") - steps_before
+    assert steps >= 24 / (1 + K)
+
+
+def seeded_reference(checkpoint, prompt: list[int], max_tokens: int, temperature: float, top_p: float,
+                     seed: int) -> list[int]:
+    """Target-only seeded sampling, one request: prefill, then decode, each token drawn by the rejection
+    sampler with no drafts at its absolute position (what a verifier without a drafter does)."""
+    engine = TargetEngine(checkpoint=checkpoint, device="cpu", dtype=torch.float32, max_slots=1,
+                          max_context=MAX_CONTEXT)
+    slot, tokens = engine.allocate_slot(), list(prompt)
+    logits = engine.prefill([(slot, prompt)]).logits
+    while len(tokens) < len(prompt) + max_tokens:
+        out = rejection_sample(logits, torch.empty(0, dtype=torch.int64), torch.zeros(1, dtype=torch.int32),
+                               None, torch.tensor([temperature]), torch.tensor([0]), torch.tensor([top_p]),
+                               torch.tensor([seed]), torch.tensor([len(tokens)]))
+        tokens.append(out.token_lists()[0][0])
+        logits = engine.decode([slot], [tokens[-1]], [len(tokens) - 1]).logits
+    return tokens[len(prompt):]
+
+
+def test_seeded_sampled_output_equals_target_only_sampling(world):
+    """Seeded requests draft greedily (one-hot q), and the sampler verifies one-hot drafts by the race
+    winner: the output is the target-only sample token for token, whatever the drafts and the batch."""
+    v = world.verifier
+    batch = prompts(6, seed=17)
+    # A low temperature so that the random target's p is peaked enough for drafts to be accepted.
+    sampling = {"temperature": 0.3, "top_p": 0.9, "seed": 4321}
+    results = generate_all(v, batch, max_tokens=20, **sampling)
+    assert [r[0] for r in results] == [seeded_reference(world.checkpoint, p, 20, 0.3, 0.9, 4321)
+                                       for p in batch]
+    usage = [r[2].usage for r in results]
+    assert 0 < sum(u.accepted_tokens for u in usage) < sum(u.draft_tokens for u in usage)
 
 
 def test_seeded_sampling_repeats_whatever_the_batch(world):

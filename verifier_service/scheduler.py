@@ -450,6 +450,7 @@ class Scheduler:
 
     @torch.inference_mode()
     def _verify_on_worker(self, live: list[Request], batch: BatchDrafts) -> _Step:
+        started = time.perf_counter()
         slots = [r.slot for r in live]
         starts = [len(r.tokens) - 1 for r in live]
         if any(batch.num_drafts):
@@ -474,6 +475,7 @@ class Scheduler:
                 first += drafted + 1
             rows = self._readback.wait()[index]
             features = list(rows.split([len(t) for t in tokens]))
+        self.metrics.verify_step_time.observe(time.perf_counter() - started)
         return _Step(tokens, features)
 
     def _sample(self, logits: torch.Tensor, requests: list[Request], batch: BatchDrafts) -> list[list[int]]:
@@ -490,9 +492,9 @@ class Scheduler:
             column([r.params.top_p for r in requests], torch.float32),
             column([r.seed for r in requests], torch.int64),
             column([len(r.tokens) for r in requests], torch.int64),
+            defer_check=True,  # no wait for the device until the one copy back, which also checks
         )
-        # One copy back: a row's num_tokens tokens are followed only by -1 padding.
-        return [[t for t in row if t >= 0] for row in out.tokens.cpu().tolist()]
+        return out.token_lists()
 
     @staticmethod
     def _feature_table(hidden: torch.Tensor, aux: torch.Tensor | None) -> torch.Tensor:
@@ -551,7 +553,8 @@ class Scheduler:
     def _want(self, step: dpb.DraftStep, r: Request, k: int) -> Want:
         """Adds r's DraftWant to `step`."""
         p = r.params
-        # Seeded requests draft greedily: one-hot q is exact and the drafts (so the output) repeat.
+        # Seeded requests draft greedily: the sampler verifies one-hot q by the race winner, so their output
+        # is the target-only sample whatever the drafts, the batch or the drafter's health.
         temperature = 0.0 if p.greedy or p.seed is not None else p.temperature
         top_k = 0 if temperature == 0 else min(p.top_k or self.config.draft_top_k, self.config.draft_top_k)
         want = step.wants.add(request_id=r.id, num_drafts=k, temperature=temperature, top_k=top_k)
