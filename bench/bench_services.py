@@ -144,8 +144,9 @@ def main() -> int:
         wait_serving(services, 600)
         if not wait_drafter_connected(spec.port, 120):
             raise SystemExit(f"the verifier never connected to the drafter (logs: {logs})")
-        for port in (spec.port, base.port):  # warm-up: Triton compilation, first allocations
-            run_batch(port, PROMPTS[:max(batch_sizes)], 8)
+        for port in (spec.port, base.port):  # warm-up: Triton compiles per shape class, first allocations
+            for batch in batch_sizes:
+                run_batch(port, PROMPTS[:batch], 16)
         for batch in batch_sizes:
             before = {name: scrape(port) for name, port in metrics_ports.items()}
             s = measure(spec.port, PROMPTS, batch, args.max_tokens, args.repeats)
