@@ -143,6 +143,9 @@ def top_rows(stats: pstats.Stats, rounds: int, n: int) -> list[dict]:
 
 
 def main() -> int:
+    if sys.version_info >= (3, 12):  # cProfile is one per process there: no per-thread profiles
+        raise SystemExit("profile_verifier_host.py needs Python 3.11; on 3.12+ read the per-round breakdown "
+                         "of bench/bench_services.py instead")
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--verifier-device", default="cpu")
     p.add_argument("--drafter-device", default="cpu")
