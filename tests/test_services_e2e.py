@@ -196,11 +196,16 @@ def prompts(n: int, seed: int = 0) -> list[list[int]]:
             for _ in range(n)]
 
 
+def reference_engine(checkpoint, device: str = "cpu") -> TargetEngine:
+    """A one-slot float32 target engine for the target-only references."""
+    return TargetEngine(checkpoint=checkpoint, device=device, dtype=torch.float32, max_slots=1,
+                        max_context=MAX_CONTEXT)
+
+
 def greedy_reference(checkpoint, prompt_list: list[list[int]], max_tokens: int, device: str = "cpu"
                      ) -> list[list[int]]:
     """Target-only greedy decoding, one request at a time: prefill, then decode + argmax."""
-    engine = TargetEngine(checkpoint=checkpoint, device=device, dtype=torch.float32, max_slots=1,
-                          max_context=MAX_CONTEXT)
+    engine = reference_engine(checkpoint, device)
     outputs = []
     for prompt in prompt_list:
         slot = engine.allocate_slot()
@@ -244,21 +249,26 @@ def test_greedy_through_both_services_equals_target_only(world):
     assert steps >= 24 / (1 + K)
 
 
-def seeded_reference(checkpoint, prompt: list[int], max_tokens: int, temperature: float, top_p: float,
-                     seed: int) -> list[int]:
-    """Target-only seeded sampling, one request: prefill, then decode, each token drawn by the rejection
-    sampler with no drafts at its absolute position (what a verifier without a drafter does)."""
-    engine = TargetEngine(checkpoint=checkpoint, device="cpu", dtype=torch.float32, max_slots=1,
-                          max_context=MAX_CONTEXT)
-    slot, tokens = engine.allocate_slot(), list(prompt)
-    logits = engine.prefill([(slot, prompt)]).logits
-    while len(tokens) < len(prompt) + max_tokens:
-        out = rejection_sample(logits, torch.empty(0, dtype=torch.int64), torch.zeros(1, dtype=torch.int32),
-                               None, torch.tensor([temperature]), torch.tensor([0]), torch.tensor([top_p]),
-                               torch.tensor([seed]), torch.tensor([len(tokens)]))
-        tokens.append(out.token_lists()[0][0])
-        logits = engine.decode([slot], [tokens[-1]], [len(tokens) - 1]).logits
-    return tokens[len(prompt):]
+def seeded_reference(checkpoint, prompt_list: list[list[int]], max_tokens: int, temperature: float,
+                     top_p: float, seed: int) -> list[list[int]]:
+    """Target-only seeded sampling, one request at a time: prefill, then decode, each token drawn by the
+    rejection sampler with no drafts at its absolute position (what a verifier without a drafter does)."""
+    engine = reference_engine(checkpoint)
+    outputs = []
+    for prompt in prompt_list:
+        slot, tokens = engine.allocate_slot(), list(prompt)
+        logits = engine.prefill([(slot, prompt)]).logits
+        while len(tokens) < len(prompt) + max_tokens:
+            out = rejection_sample(
+                logits, torch.empty(0, dtype=torch.int64), torch.zeros(1, dtype=torch.int32), None,
+                torch.tensor([temperature]), torch.tensor([0]), torch.tensor([top_p]), torch.tensor([seed]),
+                torch.tensor([len(tokens)]),
+            )
+            tokens.append(out.token_lists()[0][0])
+            logits = engine.decode([slot], [tokens[-1]], [len(tokens) - 1]).logits
+        engine.free_slot(slot)
+        outputs.append(tokens[len(prompt):])
+    return outputs
 
 
 def test_seeded_sampled_output_equals_target_only_sampling(world):
@@ -269,8 +279,7 @@ def test_seeded_sampled_output_equals_target_only_sampling(world):
     # A low temperature so that the random target's p is peaked enough for drafts to be accepted.
     sampling = {"temperature": 0.3, "top_p": 0.9, "seed": 4321}
     results = generate_all(v, batch, max_tokens=20, **sampling)
-    assert [r[0] for r in results] == [seeded_reference(world.checkpoint, p, 20, 0.3, 0.9, 4321)
-                                       for p in batch]
+    assert [r[0] for r in results] == seeded_reference(world.checkpoint, batch, 20, 0.3, 0.9, 4321)
     usage = [r[2].usage for r in results]
     assert 0 < sum(u.accepted_tokens for u in usage) < sum(u.draft_tokens for u in usage)
 
