@@ -122,18 +122,22 @@ class RequestUpdate(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., new_request: _Optional[_Union[NewRequest, _Mapping]] = ..., accepted: _Optional[_Union[Accepted, _Mapping]] = ..., free: _Optional[_Union[Free, _Mapping]] = ...) -> None: ...
 
 class DraftWant(_message.Message):
-    __slots__ = ("request_id", "num_drafts", "temperature", "top_k", "seed")
+    __slots__ = ("request_id", "num_drafts", "temperature", "top_k", "seed", "num_branches", "verifying_branch")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFTS_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    NUM_BRANCHES_FIELD_NUMBER: _ClassVar[int]
+    VERIFYING_BRANCH_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     num_drafts: int
     temperature: float
     top_k: int
     seed: int
-    def __init__(self, request_id: _Optional[str] = ..., num_drafts: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
+    num_branches: int
+    verifying_branch: int
+    def __init__(self, request_id: _Optional[str] = ..., num_drafts: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., num_branches: _Optional[int] = ..., verifying_branch: _Optional[int] = ...) -> None: ...
 
 class DraftStep(_message.Message):
     __slots__ = ("step_id", "updates", "wants")
@@ -153,19 +157,31 @@ class SparseProbs(_message.Message):
     values: Tensor
     def __init__(self, indices: _Optional[_Union[Tensor, _Mapping]] = ..., values: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
+class Branch(_message.Message):
+    __slots__ = ("index", "accepted", "bonus_token_id")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    BONUS_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    accepted: int
+    bonus_token_id: int
+    def __init__(self, index: _Optional[int] = ..., accepted: _Optional[int] = ..., bonus_token_id: _Optional[int] = ...) -> None: ...
+
 class Proposal(_message.Message):
-    __slots__ = ("request_id", "draft_token_ids", "probs_kind", "probs", "sparse")
+    __slots__ = ("request_id", "draft_token_ids", "probs_kind", "probs", "sparse", "branch")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PROBS_KIND_FIELD_NUMBER: _ClassVar[int]
     PROBS_FIELD_NUMBER: _ClassVar[int]
     SPARSE_FIELD_NUMBER: _ClassVar[int]
+    BRANCH_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
     probs_kind: ProbsKind
     probs: Tensor
     sparse: SparseProbs
-    def __init__(self, request_id: _Optional[str] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., probs_kind: _Optional[_Union[ProbsKind, str]] = ..., probs: _Optional[_Union[Tensor, _Mapping]] = ..., sparse: _Optional[_Union[SparseProbs, _Mapping]] = ...) -> None: ...
+    branch: Branch
+    def __init__(self, request_id: _Optional[str] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., probs_kind: _Optional[_Union[ProbsKind, str]] = ..., probs: _Optional[_Union[Tensor, _Mapping]] = ..., sparse: _Optional[_Union[SparseProbs, _Mapping]] = ..., branch: _Optional[_Union[Branch, _Mapping]] = ...) -> None: ...
 
 class DraftResult(_message.Message):
     __slots__ = ("step_id", "proposals", "error", "compute_seconds", "dropped_request_ids")
