@@ -24,6 +24,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="requests held at once, over all verifiers (default 64)")
     parser.add_argument("--max-drafts", type=int, default=env("SPECWIRE_MAX_DRAFTS", 8),
                         help="most draft tokens per request per step (default 8)")
+    parser.add_argument("--max-branches", type=int, default=env("SPECWIRE_MAX_BRANCHES", 8),
+                        help="most branches per request of a speculation-cache table; each holds a KV "
+                             "slot (default 8; 0 = drafts only for settled tokens)")
     parser.add_argument("--max-top-k", type=int, default=env("SPECWIRE_MAX_TOP_K", 64),
                         help="widest top-K of sampled drafts (default 64)")
     parser.add_argument("--max-context", type=int, default=env("SPECWIRE_MAX_CONTEXT", 2048),
@@ -60,7 +63,7 @@ def load_proposer(args: argparse.Namespace):
                            max_positions=args.max_context)
     proposer = EagleProposer(head, max_requests=args.max_requests, max_context=args.max_context,
                              max_drafts=args.max_drafts, max_top_k=min(args.max_top_k, head.vocab_size),
-                             cuda_graphs=not args.no_cuda_graphs)
+                             cuda_graphs=not args.no_cuda_graphs, max_branches=args.max_branches)
     return proposer, config, load_tokenizer(model_path).fingerprint, f"{head.config.arch}:{head_path.name}"
 
 

@@ -362,12 +362,10 @@ class EagleProposer:
         self._free_slots += [b.slot for b in request.branches if b is not keep]
         request.branches = []
 
-    def _take_branch(self, request_id: str, request: _Request, index: int | None) -> None:
-        """The verifier now checks branch `index` of the request's last table (None: no drafts). Its slot
-        becomes the request's: the prefix there is the main slot's, and its drafts' K/V are already in."""
+    @staticmethod
+    def _check_branch(request_id: str, request: _Request, index: int | None) -> None:
+        """Branch `index` of the request's last table exists and its outcome is what settled."""
         if index is None:
-            self._release_branches(request)
-            request.verifying = []
             return
         if not 0 <= index < len(request.branches):
             raise ProposerError(f"request {request_id!r}: no branch {index} in its last table "
@@ -377,6 +375,15 @@ class EagleProposer:
         if request.pending_tokens != settled:
             raise ProposerError(f"request {request_id!r}: settled tokens {request.pending_tokens} do not "
                                 f"match branch {index} ({settled})")
+
+    def _take_branch(self, request: _Request, index: int | None) -> None:
+        """The verifier now checks branch `index` of the request's last table (None: no drafts). Its slot
+        becomes the request's: the prefix there is the main slot's, and its drafts' K/V are already in."""
+        if index is None:
+            self._release_branches(request)
+            request.verifying = []
+            return
+        branch = request.branches[index]
         self._release_branches(request, keep=branch)
         self._free_slots.append(request.slot)
         request.slot, request.verifying = branch.slot, branch.token_ids
@@ -422,7 +429,9 @@ class EagleProposer:
             if req.num_pending == 0:
                 raise ProposerError(f"request {rid!r} has no settled tokens since its last table")
         for rid, req, index in zip(request_ids, requests, verifying, strict=True):
-            self._take_branch(rid, req, index)
+            self._check_branch(rid, req, index)
+        for req, index in zip(requests, verifying, strict=True):  # only once all are known to be good
+            self._take_branch(req, index)
         if B == 0:
             return []
         self._prefill_overflow(requests)

@@ -33,8 +33,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds a step waits for its drafts before verifying without them (default 1)")
     parser.add_argument("--draft-top-k", type=int, default=env("SPECWIRE_DRAFT_TOP_K", 16),
                         help="sampled requests draft from the head's top-K, shipped sparse (default 16)")
-    parser.add_argument("--no-overlap", action="store_true",
-                        help="verify the whole batch at once instead of two alternating halves")
+    parser.add_argument("--cache-branches", type=int, default=env("SPECWIRE_CACHE_BRANCHES", 8),
+                        help="speculation cache: table entries per request the drafter drafts while a "
+                             "verification runs (default 8; 0 = wait for drafts each round)")
+    parser.add_argument("--table-wait-ms", type=float, default=env("SPECWIRE_TABLE_WAIT_MS", None),
+                        help="how long a finished verification waits for a table still on its way "
+                             "(default: half the last verification's time)")
     parser.add_argument("--aux-layers", default=env("SPECWIRE_AUX_LAYERS", "eagle3"),
                         help="target layers whose input EAGLE-3 heads read: comma-separated, 'eagle3' "
                              "(2, L/2, L-3) or 'none' (default eagle3)")
@@ -83,16 +87,20 @@ async def serve(args: argparse.Namespace) -> None:
 
     if args.k < 0:
         raise ValueError(f"--k must be >= 0, got {args.k}")
+    if args.cache_branches < 0:
+        raise ValueError(f"--cache-branches must be >= 0, got {args.cache_branches}")
     metrics = VerifierMetrics()
     if args.metrics_port is not None:
         metrics.serve(args.metrics_port)
+    table_wait = None if args.table_wait_ms is None else args.table_wait_ms / 1e3
     settings = VerifierSettings(
         drafter=args.drafter if args.k > 0 else None,
         drafter_channel=grpc_common.ChannelOptions.from_args(args, prefix="drafter-"),
         step_timeout=args.draft_timeout,
         scheduler=SchedulerConfig(num_speculative_tokens=args.k, max_waiting=args.max_waiting,
                                   default_max_tokens=args.default_max_tokens, draft_top_k=args.draft_top_k,
-                                  overlap=not args.no_overlap),
+                                  cache_branches=args.cache_branches,
+                                  table_wait=table_wait),
     )
     server = VerifierServer(grpc_common.ServerOptions.from_args(args), settings, metrics)
 

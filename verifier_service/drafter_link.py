@@ -107,13 +107,14 @@ class DrafterLink:
         self._outbox.put_nowait(step)
         return future
 
-    async def result(self, future: asyncio.Future) -> pb.DraftResult | None:
-        """The step's DraftResult, or None after step_timeout (a later answer is then stale) or when the
-        stream broke. An answer already in costs no wait; else the future itself is awaited, a timer
-        resolving it at the deadline: the caller resumes one loop turn after the answer (wait_for and shield
-        took three)."""
+    async def result(self, future: asyncio.Future, timeout: float | None = None) -> pb.DraftResult | None:
+        """The step's DraftResult, or None after `timeout` (default step_timeout; a later answer is then
+        stale) or when the stream broke. An answer already in costs no wait; else the future itself is
+        awaited, a timer resolving it at the deadline: the caller resumes one loop turn after the answer
+        (wait_for and shield took three)."""
         if not future.done():
-            timer = asyncio.get_running_loop().call_later(self.step_timeout, self._expire, future)
+            wait = self.step_timeout if timeout is None else timeout
+            timer = asyncio.get_running_loop().call_later(wait, self._expire, future)
             try:
                 await future
             finally:

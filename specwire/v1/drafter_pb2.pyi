@@ -60,20 +60,22 @@ class HandshakeRequest(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., feature_dim: _Optional[int] = ..., num_layers: _Optional[int] = ...) -> None: ...
 
 class DrafterInfo(_message.Message):
-    __slots__ = ("head", "feature_dim", "aux_layers", "max_num_drafts", "max_requests", "feature_dtype")
+    __slots__ = ("head", "feature_dim", "aux_layers", "max_num_drafts", "max_requests", "feature_dtype", "max_branches")
     HEAD_FIELD_NUMBER: _ClassVar[int]
     FEATURE_DIM_FIELD_NUMBER: _ClassVar[int]
     AUX_LAYERS_FIELD_NUMBER: _ClassVar[int]
     MAX_NUM_DRAFTS_FIELD_NUMBER: _ClassVar[int]
     MAX_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     FEATURE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    MAX_BRANCHES_FIELD_NUMBER: _ClassVar[int]
     head: str
     feature_dim: int
     aux_layers: _containers.RepeatedScalarFieldContainer[int]
     max_num_drafts: int
     max_requests: int
     feature_dtype: DType
-    def __init__(self, head: _Optional[str] = ..., feature_dim: _Optional[int] = ..., aux_layers: _Optional[_Iterable[int]] = ..., max_num_drafts: _Optional[int] = ..., max_requests: _Optional[int] = ..., feature_dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
+    max_branches: int
+    def __init__(self, head: _Optional[str] = ..., feature_dim: _Optional[int] = ..., aux_layers: _Optional[_Iterable[int]] = ..., max_num_drafts: _Optional[int] = ..., max_requests: _Optional[int] = ..., feature_dtype: _Optional[_Union[DType, str]] = ..., max_branches: _Optional[int] = ...) -> None: ...
 
 class HandshakeResponse(_message.Message):
     __slots__ = ("ok", "message", "drafter", "protocol_version")
