@@ -18,6 +18,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     env = grpc_common.env_default
     grpc_common.add_server_arguments(parser, default_listen="0.0.0.0:50052")
     grpc_common.add_model_arguments(parser, dtype_of="head weights and cache")
+    add_proposer_arguments(parser)
+    parser.add_argument("--no-cuda-graphs", action="store_true", help="draft eagerly")
+    parser.add_argument("--metrics-port", type=int, default=env("SPECWIRE_METRICS_PORT", None),
+                        help="serve Prometheus /metrics on this port (env SPECWIRE_METRICS_PORT)")
+    grpc_common.add_logging_arguments(parser)
+
+
+def add_proposer_arguments(parser: argparse.ArgumentParser) -> None:
+    """The head and the proposer's sizes (the co-located verifier takes them too)."""
+    env = grpc_common.env_default
     parser.add_argument("--head", default=env("SPECWIRE_HEAD", None),
                         help=f"EAGLE head directory (default: the shipped {DEFAULT_HEAD.name})")
     parser.add_argument("--max-requests", type=int, default=env("SPECWIRE_MAX_REQUESTS", 64),
@@ -31,40 +41,43 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="widest top-K of sampled drafts (default 64)")
     parser.add_argument("--max-context", type=int, default=env("SPECWIRE_MAX_CONTEXT", 2048),
                         help="head KV-cache positions per request (default 2048)")
-    parser.add_argument("--no-cuda-graphs", action="store_true", help="draft eagerly")
-    parser.add_argument("--metrics-port", type=int, default=env("SPECWIRE_METRICS_PORT", None),
-                        help="serve Prometheus /metrics on this port (env SPECWIRE_METRICS_PORT)")
-    grpc_common.add_logging_arguments(parser)
 
 
 def load_proposer(args: argparse.Namespace):
     """(proposer, target config, tokenizer fingerprint, head name) from the flags."""
-    from specwire.drafter.eagle_head import load_eagle_head  # torch loads here, once the flags are valid
-    from specwire.drafter.proposer import EagleProposer
-
-    from specwire.default_model import resolve_model_path
-    from specwire.engine import default_device, default_dtype, parse_device, parse_dtype
-    from specwire.errors import ModelLoadError
+    from specwire.default_model import resolve_model_path  # torch loads here, once the flags are valid
     from specwire.tokenizer import load_tokenizer
     from specwire.weights import load_checkpoint
+
+    model_path = resolve_model_path(args.model)
+    config, state_dict = load_checkpoint(model_path)
+    proposer, head = build_proposer(args, config, state_dict)
+    return proposer, config, load_tokenizer(model_path).fingerprint, head
+
+
+def build_proposer(args: argparse.Namespace, config, target_weights: dict):
+    """(EagleProposer, head name) on the target's shared tensors, sized by args.head, .device, .dtype,
+    .no_cuda_graphs and the --max-* flags of add_proposer_arguments."""
+    from specwire.drafter.eagle_head import load_eagle_head
+    from specwire.drafter.proposer import EagleProposer
+
+    from specwire.engine import default_device, default_dtype, parse_device, parse_dtype
+    from specwire.errors import ModelLoadError
 
     head_path = Path(args.head) if args.head else DEFAULT_HEAD
     if not (head_path / "config.json").is_file():
         raise ModelLoadError(f"no EAGLE head at {head_path} (train one with `specwire train-eagle` or pass "
                              "--head)")
-    model_path = resolve_model_path(args.model)
     device = parse_device(args.device) if args.device else default_device()
     dtype = parse_dtype(args.dtype) if args.dtype else default_dtype(device)
-    config, state_dict = load_checkpoint(model_path)
     # The head shares the target's embedding and lm_head; the rest of the target is not needed here.
-    shared = {k: v for k, v in state_dict.items() if k in ("model.embed_tokens.weight", "lm_head.weight")}
-    del state_dict
+    shared = {k: v for k, v in target_weights.items() if k in ("model.embed_tokens.weight", "lm_head.weight")}
     head = load_eagle_head(head_path, config, shared, dtype=dtype, device=device,
                            max_positions=args.max_context)
     proposer = EagleProposer(head, max_requests=args.max_requests, max_context=args.max_context,
                              max_drafts=args.max_drafts, max_top_k=min(args.max_top_k, head.vocab_size),
                              cuda_graphs=not args.no_cuda_graphs, max_branches=args.max_branches)
-    return proposer, config, load_tokenizer(model_path).fingerprint, f"{head.config.arch}:{head_path.name}"
+    return proposer, f"{head.config.arch}:{head_path.name}"
 
 
 async def serve(args: argparse.Namespace) -> None:

@@ -155,7 +155,7 @@ class VerifierMetrics(_ServiceMetrics):
             "not in the table), late (the table did not come in time).",
             ["result"],
         )
-        self.cache = {result: self.spec_cache_lookups.labels(result=result) for result in ("hit", "miss", "late")}
+        self.cache = {r: self.spec_cache_lookups.labels(result=r) for r in ("hit", "miss", "late")}
         self._accepted_at: list[Counter] = []  # num_accepted_tokens_per_pos children, bound when first seen
 
     def observe_verification(self, num_draft_tokens: Sequence[int], num_accepted: Sequence[int]) -> None:

@@ -7,6 +7,7 @@ prefill/decode + argmax), whatever the drafter does: drafts, dies, restarts or s
 """
 
 import asyncio
+import functools
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -18,6 +19,7 @@ from specwire.drafter.eagle_head import EagleHead, EagleHeadConfig
 from specwire.drafter.proposer import EagleProposer
 from specwire.drafter.server import DrafterService
 from specwire.kernels.rejection_sampler import rejection_sample
+from specwire.verifier.drafter_link import LocalDrafterLink
 from specwire.verifier.scheduler import SchedulerConfig
 from specwire.verifier.server import VerifierServer, VerifierSettings
 
@@ -122,26 +124,39 @@ class Drafter:
         self.service.close()
 
 
+def colocated(checkpoint, tokenizer, metrics: VerifierMetrics) -> LocalDrafterLink:
+    """The world's drafter (the bigram head), but in the verifier's process behind the in-process link."""
+    config, sd = checkpoint
+    proposer = EagleProposer(bigram_head(config, sd), max_requests=48, max_context=MAX_CONTEXT, max_drafts=K,
+                             max_top_k=16, max_branches=BRANCHES)
+    service = DrafterService(DrafterMetrics())
+    service.load(proposer, config, tokenizer.fingerprint, "eagle1:bigram")
+    return LocalDrafterLink(functools.partial(service.run_step, 0, set()), service.info, service.mismatch,
+                            metrics, step_timeout=5.0)
+
+
 class Verifier:
-    def __init__(self, loop: Loop, checkpoint, tokenizer, drafter_port: int | None, max_slots: int = 16,
+    def __init__(self, loop: Loop, checkpoint, tokenizer, drafter_port: int | str | None, max_slots: int = 16,
                  cache_branches: int = BRANCHES, step_timeout: float = 5.0, device: str = "cpu",
                  table_wait: float | None = 5.0):
         self.loop, self.metrics = loop, VerifierMetrics()
         self.engine = TargetEngine(checkpoint=checkpoint, device=device, dtype=torch.float32,
                                    max_slots=max_slots, max_context=MAX_CONTEXT)
         settings = VerifierSettings(
-            drafter=f"127.0.0.1:{drafter_port}" if drafter_port else None, step_timeout=step_timeout,
+            drafter=f"127.0.0.1:{drafter_port}" if isinstance(drafter_port, int) else None,
+            step_timeout=step_timeout,
             scheduler=SchedulerConfig(num_speculative_tokens=K, max_waiting=64, default_max_tokens=16,
                                       cache_branches=cache_branches, table_wait=table_wait),
             model_name="tiny",
         )
-        self.port = loop.run(self._start(settings, tokenizer))
+        link = colocated(checkpoint, tokenizer, self.metrics) if drafter_port == "colocated" else None
+        self.port = loop.run(self._start(settings, tokenizer, link))
         self.channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
         self.stub = generation_pb2_grpc.GenerationStub(self.channel)
 
-    async def _start(self, settings, tokenizer) -> int:
+    async def _start(self, settings, tokenizer, link) -> int:
         self.server = VerifierServer(grpc_common.ServerOptions(listen="127.0.0.1:0"), settings, self.metrics)
-        return await self.server.start(self.engine, tokenizer)
+        return await self.server.start(self.engine, tokenizer, link)
 
     def info(self) -> pb.ModelInfo:
         return self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
@@ -499,6 +514,19 @@ def test_handshake_refuses_a_drafter_for_another_tokenizer(world):
     finally:
         v.close()
         drafter.kill()
+
+
+def test_colocated_drafter_gives_the_two_process_output(world):
+    batch = prompts(8, seed=31)
+    two_process = [r[0] for r in generate_all(world.verifier, batch, max_tokens=20)]
+    v = Verifier(world.loop, world.checkpoint, world.tokenizer, "colocated")
+    try:
+        assert v.info().speculation.drafter_connected
+        assert [r[0] for r in generate_all(v, batch, max_tokens=20)] == two_process
+        assert two_process == greedy_reference(world.checkpoint, batch, 20)
+        assert v.counter(v.metrics.cache["hit"]) > 0 and v.counter(v.metrics.num_draft_tokens) > 0
+    finally:
+        v.close()
 
 
 def test_greedy_with_serial_drafting_equals_target_only(world):

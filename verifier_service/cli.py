@@ -16,7 +16,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     env = grpc_common.env_default
     grpc_common.add_server_arguments(parser, default_listen="0.0.0.0:50051")
     parser.add_argument("--drafter", default=env("SPECWIRE_DRAFTER", None),
-                        help="drafter HOST:PORT (env SPECWIRE_DRAFTER); without one, target-only decoding")
+                        help="drafter HOST:PORT (env SPECWIRE_DRAFTER); without one (or --colocated), "
+                             "target-only decoding")
+    parser.add_argument("--colocated", action="store_true",
+                        help="run the drafter inside this process (same scheduler and link, no gRPC hop)")
+    parser.add_argument("--head", default=env("SPECWIRE_HEAD", None),
+                        help="with --colocated: EAGLE head directory (default: the shipped head)")
+    parser.add_argument("--drafter-device", default=None,
+                        help="with --colocated: the drafter's device (default: the target's)")
     grpc_common.add_channel_arguments(parser, prefix="drafter-")
     grpc_common.add_model_arguments(parser, dtype_of="weights and KV cache")
     parser.add_argument("--k", type=int, default=env("SPECWIRE_K", 4),
@@ -72,7 +79,8 @@ def load_engine(args: argparse.Namespace):
 
     path = resolve_model_path(args.model)
     config, state_dict = load_checkpoint(path)
-    aux = parse_aux_layers(args.aux_layers, config.num_layers) if args.drafter and args.k > 0 else ()
+    speculating = (args.drafter or args.colocated) and args.k > 0
+    aux = parse_aux_layers(args.aux_layers, config.num_layers) if speculating else ()
     engine = TargetEngine(device=args.device, dtype=args.dtype, max_slots=args.max_slots,
                           max_context=args.max_context, cuda_graphs=not args.no_cuda_graphs, aux_layers=aux,
                           max_verify_tokens=args.k + 1, checkpoint=(config, state_dict))
@@ -87,6 +95,8 @@ async def serve(args: argparse.Namespace) -> None:
 
     if args.k < 0:
         raise ValueError(f"--k must be >= 0, got {args.k}")
+    if args.colocated and args.drafter:
+        raise ValueError("--colocated runs the drafter in this process: leave out --drafter")
     if args.cache_branches < 0:
         raise ValueError(f"--cache-branches must be >= 0, got {args.cache_branches}")
     metrics = VerifierMetrics()
@@ -106,8 +116,16 @@ async def serve(args: argparse.Namespace) -> None:
 
     async def load() -> None:
         engine, tokenizer, name = await asyncio.to_thread(load_engine, args)
+        link = None
+        if args.colocated and args.k > 0:
+            from specwire.colocated import colocated_link
+
+            link = await asyncio.to_thread(
+                colocated_link, engine, tokenizer, metrics, head=args.head, device=args.drafter_device,
+                k=args.k, max_branches=args.cache_branches, cuda_graphs=not args.no_cuda_graphs,
+                step_timeout=args.draft_timeout)
         server.service.model_name = name
-        await server.start(engine, tokenizer)
+        await server.start(engine, tokenizer, link)
         extra = {"model": name, "device": str(engine.device), "drafter": settings.drafter, "k": args.k}
         log.info("verifier ready", extra=extra)
 
