@@ -6,7 +6,9 @@ one keeps the distribution concentrated, and a bigram head guesses the bonus tok
 both hit (the next round verifies the branch's sampled drafts against the top-K q they were drawn from,
 which overlaps p, so many drafts are accepted and many rejected) and miss. Tokens three to six come
 from rounds after a table lookup; their conditional distributions are checked against the target's own
-softmax by a chi-square test (tail about 1e-6).
+softmax by a chi-square test (tail about 1e-6). The test has teeth: with the drafter shipping q^3
+(renormalised) instead of the q its drafts were drawn from, the statistics were 1736 and 2686 against
+critical values of 42 and 30 (measured 2026-11-23 with a patched drafter).
 """
 
 import asyncio
