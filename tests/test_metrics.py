@@ -38,9 +38,12 @@ def test_verifier_metrics_scrape(verifier):
     assert m[("specwire_spec_decode_num_draft_tokens_total", ())] == 10
     assert m[("specwire_spec_decode_num_accepted_tokens_total", ())] == 5
     per_pos = {pos: m[("specwire_spec_decode_num_accepted_tokens_per_pos_total", (("position", str(pos)),))]
-               for pos in range(3)}
-    assert per_pos == {0: 2, 1: 2, 2: 1}
-    assert ("specwire_spec_decode_num_accepted_tokens_per_pos_total", (("position", "3"),)) not in m
+               for pos in range(4)}
+    assert per_pos == {0: 2, 1: 2, 2: 1, 3: 0}  # positions up to the longest drafted, accepted or not
+    drafted = {pos: m[("specwire_spec_decode_num_draft_tokens_per_pos_total", (("position", str(pos)),))]
+               for pos in range(4)}
+    assert drafted == {0: 3, 1: 3, 2: 2, 3: 2}
+    assert ("specwire_spec_decode_num_accepted_tokens_per_pos_total", (("position", "4"),)) not in m
     assert m[("specwire_time_to_first_token_seconds_bucket", (("le", "0.04"),))] == 1
     assert m[("specwire_time_to_first_token_seconds_bucket", (("le", "0.02"),))] == 0
     assert m[("specwire_inter_token_latency_seconds_bucket", (("le", "0.002"),))] == 1
