@@ -156,27 +156,39 @@ class EagleHead(nn.Module):
         (F = H), which EAGLE-3 does not project through fc. Same slot/position semantics as
         LlamaModel.forward.
         """
-        eps = self.config.layer.rms_norm_eps
-        layer = self.layer
         positions = start_pos[:, None] + torch.arange(input_ids.shape[1], device=input_ids.device)
+        attn_in, residual = self.attention_input(input_ids, features, own_features)
+        hidden = self.layer.self_attn(
+            attn_in, positions, self.cos_sin, k_cache, v_cache, slots, start_pos, num_tokens
+        )
+        return self.finish(hidden, residual)
+
+    def attention_input(
+        self, input_ids: torch.Tensor, features: torch.Tensor, own_features: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the attention's input, the residual stream) for tokens [B, T] and features [B, T, F]."""
+        eps, layer = self.config.layer.rms_norm_eps, self.layer
         embeds = self.embed_tokens(input_ids)
         features = features.to(self.dtype)
         if self.config.arch == "eagle1":
             residual = self.fc(torch.cat([embeds, features], dim=-1))
-            attn_in = residual
-        else:
-            residual = features if own_features else self.fc(features)
-            attn_in = torch.cat(
-                [
-                    ops.rms_norm(embeds, layer.input_layernorm, eps),
-                    ops.rms_norm(residual, self.hidden_norm, eps),
-                ],
-                dim=-1,
-            )
-        hidden = layer.self_attn(
-            attn_in, positions, self.cos_sin, k_cache, v_cache, slots, start_pos, num_tokens
+            return residual, residual
+        residual = features if own_features else self.fc(features)
+        attn_in = torch.cat(
+            [
+                ops.rms_norm(embeds, layer.input_layernorm, eps),
+                ops.rms_norm(residual, self.hidden_norm, eps),
+            ],
+            dim=-1,
         )
-        hidden, residual = ops.add_rms_norm(hidden, residual, layer.post_attention_layernorm, eps)
+        return attn_in, residual
+
+    def finish(self, attn_out: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """The head's output [.., H] from the attention's output and the residual stream."""
+        layer = self.layer
+        hidden, residual = ops.add_rms_norm(
+            attn_out, residual, layer.post_attention_layernorm, self.config.layer.rms_norm_eps
+        )
         return layer.mlp(hidden) + residual
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
