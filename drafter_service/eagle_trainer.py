@@ -34,6 +34,7 @@ from specwire.engine import TargetEngine
 
 FEATURE_LOSS_WEIGHT, EAGLE1_TOKEN_LOSS_WEIGHT = 1.0, 0.1  # EAGLE-1's v_w and p_w
 WARMUP_STEPS = 50
+AUTO_PROBE_STEPS = (5, 30)  # --total-steps -1: the step rate measured between these steps of a session
 PROXY_K = 4  # the acceptance-length proxy's chain length
 
 
@@ -59,6 +60,7 @@ class Trainer:
             list(self.params.values()), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0
         )
         self.step = self.epoch = self.batch_index = 0
+        self.total_steps = args.total_steps  # -1: fitted to this invocation's time budget once measured
         self.curve: list[dict] = []  # training losses every --log-every steps
         self.history: list[dict] = []  # held-out evaluations
         self.sessions: list[dict] = []  # one entry per invocation (resumed runs add theirs)
@@ -81,6 +83,8 @@ class Trainer:
         meta = load_train_state(path, self.params, self.optimizer, self.head.draft_to_target)
         self.step, self.epoch, self.batch_index = meta["step"], meta["epoch"], meta["batch_index"]
         self.curve, self.history, self.sessions = meta["curve"], meta["history"], meta["sessions"]
+        if self.args.total_steps < 0 and meta["total_steps"] > 0:  # keep the schedule the run started with
+            self.total_steps = meta["total_steps"]
 
     # ------------------------------------------------------------------------------ loop
 
@@ -94,21 +98,28 @@ class Trainer:
         """Train until the deadline, --total-steps, --stop-after-steps or --epochs; evaluate after each epoch
         and at the end; checkpoint every --checkpoint-every steps and at the end."""
         a = self.args
-        limits = [s for s in (a.total_steps, a.stop_after_steps and self.step + a.stop_after_steps) if s]
-        stop_at = min(limits) if limits else None
-        session = {"from_step": self.step, "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-        t0 = time.monotonic()
-        bar = tqdm(total=stop_at, initial=self.step, desc="train", unit="step")
+        first = self.step
+        own_stop = first + a.stop_after_steps if a.stop_after_steps else 0
+        session = {"from_step": first, "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        t0 = probe = time.monotonic()
+        bar = tqdm(initial=self.step, desc="train", unit="step")
         stopped = False
         while self.epoch < a.epochs and not stopped:
             order = self._batches(train, self.epoch)
             while self.batch_index < len(order):
-                if time.monotonic() > deadline or (stop_at is not None and self.step >= stop_at):
+                ends = [s for s in (self.total_steps, own_stop) if s > 0]
+                if time.monotonic() > deadline or (ends and self.step >= min(ends)):
                     stopped = True
                     break
                 self._train_step([train[i] for i in order[self.batch_index]])
                 self.batch_index += 1
                 bar.update(1)
+                if self.step - first == AUTO_PROBE_STEPS[0]:
+                    probe = time.monotonic()
+                elif self.total_steps < 0 and self.step - first == AUTO_PROBE_STEPS[1]:
+                    rate = (AUTO_PROBE_STEPS[1] - AUTO_PROBE_STEPS[0]) / (time.monotonic() - probe)
+                    self.total_steps = self.step + int(rate * max(deadline - time.monotonic(), 0))
+                    tqdm.write(f"{rate:.2f} steps/s: the schedule ends at step {self.total_steps}")
                 if checkpoint and a.checkpoint_every and self.step % a.checkpoint_every == 0:
                     self.save(checkpoint)
             else:
@@ -142,9 +153,9 @@ class Trainer:
         return batches
 
     def lr(self) -> float:
-        """Linear warm-up, then cosine to a tenth over --total-steps (constant when it is 0)."""
+        """Linear warm-up, then cosine to a tenth over the total steps (constant while there are none)."""
         warm = min(1.0, (self.step + 1) / WARMUP_STEPS)
-        total = self.args.total_steps
+        total = max(self.total_steps, 0)
         progress = min(self.step / total, 1.0) if total else 0.0
         return self.args.lr * warm * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 

@@ -152,7 +152,8 @@ def run(args: argparse.Namespace) -> int:
     if args.resume and (ckpt / "state").is_dir():
         trainer.restore(ckpt / "state")
     vocab_log = _vocab_log(head, train, held)
-    trainer.fit(train, held, t0 + budget - min(15.0, 0.05 * budget), ckpt / "state" if ckpt else None)
+    reserve = min(90.0, max(15.0, 0.06 * budget))  # for the final evaluation and saving
+    trainer.fit(train, held, t0 + budget - reserve, ckpt / "state" if ckpt else None)
 
     out = Path(args.out)
     log = {
@@ -164,6 +165,7 @@ def run(args: argparse.Namespace) -> int:
         "data": data_log,
         "draft_vocab": vocab_log,
         "steps": trainer.step,
+        "total_steps": trainer.total_steps,
         "epochs_done": trainer.epoch,
         "generation_seconds": round(gen_seconds, 1),
         "machine": {
