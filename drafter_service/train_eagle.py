@@ -92,8 +92,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--total-steps",
         type=int,
-        default=0,
-        help="steps of the cosine schedule, and a stop (0 = constant rate after warm-up, no stop)",
+        default=-1,
+        help="steps of the cosine schedule, and a stop (0: constant rate after warm-up, no stop; -1, the "
+        "default: fitted to --max-minutes from the step rate measured at the start, kept on --resume)",
     )
     p.add_argument("--stop-after-steps", type=int, default=0, help="stop this invocation after N steps")
     p.add_argument("--batch-tokens", type=int, help="tokens per step (default 8192 on cuda, 512 on cpu)")
