@@ -24,6 +24,7 @@ from typing import Literal
 
 import torch
 from safetensors.torch import load_file, save_file
+from specwire.drafter.draft_vocab import d2t_offsets, t2d_mask
 from specwire.kernels import ops
 from torch import nn
 
@@ -35,7 +36,8 @@ from specwire.weights import check_tensors
 Arch = Literal["eagle1", "eagle3"]
 # The head shipped for the default model (trained by `specwire train-eagle`).
 DEFAULT_HEAD = Path(__file__).parent / "heads" / "smollm2-135m-eagle"
-# Present in some published heads, never used: our embedding is the target's, t2d is implied by d2t.
+# Present in some published heads and not loaded: our embedding is the target's; t2d (implied by d2t) is
+# only checked against d2t.
 _IGNORED_KEYS = ("embed_tokens.weight", "t2d")
 
 
@@ -232,7 +234,7 @@ class EagleHead(nn.Module):
                 prefix + "hidden_norm.weight": self.hidden_norm,
                 "norm.weight": self.norm,
                 "lm_head.weight": self.lm_head.weight,
-                "d2t": self.draft_to_target - torch.arange(c.draft_vocab_size, device=self.device),
+                "d2t": d2t_offsets(self.draft_to_target),
             }
         return {k: v.detach() for k, v in sd.items()}
 
@@ -267,6 +269,8 @@ class EagleHead(nn.Module):
                 raise ModelLoadError(
                     f"EAGLE-3 d2t maps outside the target vocabulary of {c.target_vocab_size}"
                 )
+            if "t2d" in sd and not torch.equal(sd["t2d"].bool().cpu(), t2d_mask(d2t, c.target_vocab_size)):
+                raise ModelLoadError("EAGLE-3 t2d does not mark exactly the target ids that d2t maps to")
             self.draft_to_target.copy_(d2t)
 
 
@@ -403,5 +407,7 @@ def save_eagle_head(
         k: (v.to(dtype) if v.is_floating_point() else v).contiguous().cpu()
         for k, v in head.published_state_dict().items()
     }
+    if c.arch == "eagle3":  # SpecForge writes t2d beside d2t; vLLM and SGLang skip it, we check it
+        tensors["t2d"] = t2d_mask(head.draft_to_target, c.target_vocab_size).cpu()
     save_file(tensors, path / "model.safetensors")
     (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
