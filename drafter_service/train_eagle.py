@@ -30,7 +30,13 @@ from pathlib import Path
 import numpy as np
 import torch
 from specwire.drafter.draft_vocab import choose_draft_vocab, coverage
-from specwire.drafter.eagle_head import EagleHead, EagleHeadConfig, save_eagle_head, shared_target_weights
+from specwire.drafter.eagle_head import (
+    EagleHead,
+    EagleHeadConfig,
+    load_eagle_head,
+    save_eagle_head,
+    shared_target_weights,
+)
 from specwire.drafter.eagle_trainer import Trainer
 from specwire.drafter.self_distill import (
     GENERATED_SOURCE,
@@ -108,6 +114,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint", help="folder for the data and training checkpoints (resumable)")
     p.add_argument("--checkpoint-every", type=int, default=500, help="steps between checkpoints")
     p.add_argument("--resume", action="store_true", help="continue the run saved in --checkpoint")
+    p.add_argument(
+        "--init-head",
+        help="start from this head's weights and draft vocabulary (e.g. the shipped head, when the run's "
+        "checkpoint stayed on another machine); fresh optimizer",
+    )
     p.add_argument("--log-every", type=int, default=50, help="steps between training-curve points")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--write-heldout", metavar="FILE", help="also write held-out text prompts as JSONL")
@@ -326,16 +337,25 @@ def _engine(args: argparse.Namespace) -> TargetEngine:
 
 
 def _new_head(args: argparse.Namespace, engine: TargetEngine, train: list[Conversation]) -> EagleHead:
-    target = engine.config
-    config = EagleHeadConfig.for_target(target, args.arch, args.draft_vocab)
-    head = EagleHead(
-        config, shared_target_weights(engine.model), torch.float32, engine.device, engine.max_context
-    )
-    head.init_weights(args.seed)
-    if args.arch == "eagle3":
-        responses = (c.tokens[c.prompt_len :] for c in train)
-        chosen = choose_draft_vocab(responses, config.draft_vocab_size, target.vocab_size)
-        head.draft_to_target.copy_(chosen)
+    """A fresh head (EAGLE-3: its draft vocabulary chosen from train), or --init-head's weights and
+    vocabulary to continue from (the optimizer starts afresh: a warm start, not an exact resume)."""
+    target, shared = engine.config, shared_target_weights(engine.model)
+    if args.init_head:
+        dev, ctx = engine.device, engine.max_context
+        head = load_eagle_head(args.init_head, target, shared, torch.float32, dev, ctx)
+        if head.config.arch != args.arch or head.config.aux_layers != engine.aux_layers:
+            raise ValueError(
+                f"--init-head {args.init_head} is {head.config.arch} with taps {head.config.aux_layers}, "
+                f"not --arch {args.arch} with {engine.aux_layers}"
+            )
+    else:
+        config = EagleHeadConfig.for_target(target, args.arch, args.draft_vocab)
+        head = EagleHead(config, shared, torch.float32, engine.device, engine.max_context)
+        head.init_weights(args.seed)
+        if args.arch == "eagle3":
+            responses = (c.tokens[c.prompt_len :] for c in train)
+            chosen = choose_draft_vocab(responses, config.draft_vocab_size, target.vocab_size)
+            head.draft_to_target.copy_(chosen)
     head.requires_grad_(False)
     for p in head.trainable_parameters().values():
         p.requires_grad_(True)

@@ -271,10 +271,40 @@ def test_screen_instruction_drops_degenerate_and_near_duplicates():
 
 def _train(tiny_target, data_dir, out: Path, *extra: str) -> int:
     return main(
-        ["train-eagle", "--model", str(tiny_target), "--data-dir", str(data_dir), "--out", str(out),
-         "--device", "cpu", "--max-minutes", "10", "--self-instruct", "0", "--max-new-tokens", "8",
-         "--gen-batch", "4", "--holdout", "0.2", "--draft-vocab", "256", "--total-steps", "7",
-         "--ttt-steps", "3", "--log-every", "1", "--checkpoint-every", "2", "--batch-tokens", "160", *extra]
+        [
+            "train-eagle",
+            "--model",
+            str(tiny_target),
+            "--data-dir",
+            str(data_dir),
+            "--out",
+            str(out),
+            "--device",
+            "cpu",
+            "--max-minutes",
+            "10",
+            "--self-instruct",
+            "0",
+            "--max-new-tokens",
+            "8",
+            "--gen-batch",
+            "4",
+            "--holdout",
+            "0.2",
+            "--draft-vocab",
+            "256",
+            "--total-steps",
+            "7",
+            "--ttt-steps",
+            "3",
+            "--log-every",
+            "1",
+            "--checkpoint-every",
+            "2",
+            "--batch-tokens",
+            "160",
+            *extra,
+        ]
     )
 
 
@@ -292,6 +322,23 @@ def test_resume_from_checkpoint_equals_an_uninterrupted_run(tiny_target, data_di
     a, b = (load_file(tmp_path / d / "model.safetensors") for d in ("a", "b"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert log_b["draft_vocab"]["size"] == 256 and 0 < log_b["draft_vocab"]["train_response_coverage"] <= 1
+    # A warm start from the finished head (the checkpoint left behind): its vocabulary and weights, moved on.
+    assert (
+        _train(
+            tiny_target,
+            data_dir,
+            tmp_path / "d",
+            "--init-head",
+            str(tmp_path / "a"),
+            "--stop-after-steps",
+            "1",
+        )
+        == 0
+    )
+    d = load_file(tmp_path / "d" / "model.safetensors")
+    assert torch.equal(d["d2t"], a["d2t"]) and not torch.equal(d["fc.weight"], a["fc.weight"])
+    step = (d["fc.weight"].float() - a["fc.weight"].float()).abs().max()
+    assert step < 0.1 * a["fc.weight"].float().abs().max()
     # Proof that the comparison can fail: a run with one step less ends elsewhere.
     assert _train(tiny_target, data_dir, tmp_path / "c", "--total-steps", "6") == 0
     c = load_file(tmp_path / "c" / "model.safetensors")
