@@ -77,6 +77,12 @@ def write_tiny_target(path: Path, num_layers: int = 6, seed: int = 0) -> Path:
     return path
 
 
+def train_cli(tiny_target: Path, data_dir: Path, out: Path, *extra: str) -> int:
+    """`specwire train-eagle` on the tiny target and prompt files, on the CPU."""
+    common = ["--model", str(tiny_target), "--data-dir", str(data_dir), "--out", str(out), "--device", "cpu"]
+    return main(["train-eagle", *common, *extra])
+
+
 @pytest.fixture(scope="module")
 def tiny_target(tmp_path_factory) -> Path:
     return write_tiny_target(tmp_path_factory.mktemp("target"))
@@ -94,41 +100,20 @@ def data_dir(tmp_path_factory) -> Path:
 @pytest.mark.parametrize("arch", ["eagle1", "eagle3"])
 def test_train_eagle_smoke_writes_a_loadable_head(tiny_target, data_dir, tmp_path, capsys, arch):
     out = tmp_path / "head"
-    rc = main(
-        [
-            "train-eagle",
-            "--model",
-            str(tiny_target),
-            "--data-dir",
-            str(data_dir),
-            "--out",
-            str(out),
-            "--arch",
-            arch,
-            "--device",
-            "cpu",
-            "--max-minutes",
-            "1",  # generous: the first CPU generations warm up for seconds; the 2 epochs end it early
-            "--gen-fraction",
-            "0.7",
-            "--max-new-tokens",
-            "12",
-            "--self-instruct",
-            "2",
-            "--gen-batch",
-            "4",
-            "--holdout",
-            "0.2",
-            "--epochs",
-            "2",
-            "--draft-vocab",
-            "512",
-            "--max-source-share",
-            str(MAX_SHARE),
-            "--write-heldout",
-            str(tmp_path / "heldout.jsonl"),
-        ]
-    )
+    rc = train_cli(
+        tiny_target, data_dir, out,
+        "--arch", arch,
+        "--max-minutes", "1",  # generous: the first CPU generations warm up; the 2 epochs end it early
+        "--gen-fraction", "0.7",
+        "--max-new-tokens", "12",
+        "--self-instruct", "2",
+        "--gen-batch", "4",
+        "--holdout", "0.2",
+        "--epochs", "2",
+        "--draft-vocab", "512",
+        "--max-source-share", str(MAX_SHARE),
+        "--write-heldout", str(tmp_path / "heldout.jsonl"),
+    )  # fmt: skip
     assert rc == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert summary["steps"] > 0
@@ -166,21 +151,7 @@ def test_train_eagle_smoke_writes_a_loadable_head(tiny_target, data_dir, tmp_pat
 
 
 def test_train_eagle_rejects_bad_budget(tiny_target, data_dir, tmp_path, capsys):
-    rc = main(
-        [
-            "train-eagle",
-            "--model",
-            str(tiny_target),
-            "--data-dir",
-            str(data_dir),
-            "--out",
-            str(tmp_path),
-            "--max-minutes",
-            "0",
-            "--device",
-            "cpu",
-        ]
-    )
+    rc = train_cli(tiny_target, data_dir, tmp_path, "--max-minutes", "0")
     assert rc == 2 and "--max-minutes must be > 0" in capsys.readouterr().err
 
 
@@ -270,42 +241,12 @@ def test_screen_instruction_drops_degenerate_and_near_duplicates():
 
 
 def _train(tiny_target, data_dir, out: Path, *extra: str) -> int:
-    return main(
-        [
-            "train-eagle",
-            "--model",
-            str(tiny_target),
-            "--data-dir",
-            str(data_dir),
-            "--out",
-            str(out),
-            "--device",
-            "cpu",
-            "--max-minutes",
-            "10",
-            "--self-instruct",
-            "0",
-            "--max-new-tokens",
-            "8",
-            "--gen-batch",
-            "4",
-            "--holdout",
-            "0.2",
-            "--draft-vocab",
-            "256",
-            "--total-steps",
-            "7",
-            "--ttt-steps",
-            "3",
-            "--log-every",
-            "1",
-            "--checkpoint-every",
-            "2",
-            "--batch-tokens",
-            "160",
-            *extra,
-        ]
-    )
+    return train_cli(
+        tiny_target, data_dir, out,
+        "--max-minutes", "10", "--self-instruct", "0", "--max-new-tokens", "8", "--gen-batch", "4",
+        "--holdout", "0.2", "--draft-vocab", "256", "--total-steps", "7", "--ttt-steps", "3",
+        "--log-every", "1", "--checkpoint-every", "2", "--batch-tokens", "160", *extra,
+    )  # fmt: skip
 
 
 def test_resume_from_checkpoint_equals_an_uninterrupted_run(tiny_target, data_dir, tmp_path, capsys):
