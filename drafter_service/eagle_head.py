@@ -24,6 +24,7 @@ from typing import Literal
 
 import torch
 from safetensors.torch import load_file, save_file
+from specwire.drafter.draft_vocab import d2t_offsets, t2d_mask
 from specwire.kernels import ops
 from torch import nn
 
@@ -35,7 +36,8 @@ from specwire.weights import check_tensors
 Arch = Literal["eagle1", "eagle3"]
 # The head shipped for the default model (trained by `specwire train-eagle`).
 DEFAULT_HEAD = Path(__file__).parent / "heads" / "smollm2-135m-eagle"
-# Present in some published heads, never used: our embedding is the target's, t2d is implied by d2t.
+# Present in some published heads and not loaded: our embedding is the target's; t2d (implied by d2t) is
+# only checked against d2t.
 _IGNORED_KEYS = ("embed_tokens.weight", "t2d")
 
 
@@ -156,27 +158,39 @@ class EagleHead(nn.Module):
         (F = H), which EAGLE-3 does not project through fc. Same slot/position semantics as
         LlamaModel.forward.
         """
-        eps = self.config.layer.rms_norm_eps
-        layer = self.layer
         positions = start_pos[:, None] + torch.arange(input_ids.shape[1], device=input_ids.device)
+        attn_in, residual = self.attention_input(input_ids, features, own_features)
+        hidden = self.layer.self_attn(
+            attn_in, positions, self.cos_sin, k_cache, v_cache, slots, start_pos, num_tokens
+        )
+        return self.finish(hidden, residual)
+
+    def attention_input(
+        self, input_ids: torch.Tensor, features: torch.Tensor, own_features: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the attention's input, the residual stream) for tokens [B, T] and features [B, T, F]."""
+        eps, layer = self.config.layer.rms_norm_eps, self.layer
         embeds = self.embed_tokens(input_ids)
         features = features.to(self.dtype)
         if self.config.arch == "eagle1":
             residual = self.fc(torch.cat([embeds, features], dim=-1))
-            attn_in = residual
-        else:
-            residual = features if own_features else self.fc(features)
-            attn_in = torch.cat(
-                [
-                    ops.rms_norm(embeds, layer.input_layernorm, eps),
-                    ops.rms_norm(residual, self.hidden_norm, eps),
-                ],
-                dim=-1,
-            )
-        hidden = layer.self_attn(
-            attn_in, positions, self.cos_sin, k_cache, v_cache, slots, start_pos, num_tokens
+            return residual, residual
+        residual = features if own_features else self.fc(features)
+        attn_in = torch.cat(
+            [
+                ops.rms_norm(embeds, layer.input_layernorm, eps),
+                ops.rms_norm(residual, self.hidden_norm, eps),
+            ],
+            dim=-1,
         )
-        hidden, residual = ops.add_rms_norm(hidden, residual, layer.post_attention_layernorm, eps)
+        return attn_in, residual
+
+    def finish(self, attn_out: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """The head's output [.., H] from the attention's output and the residual stream."""
+        layer = self.layer
+        hidden, residual = ops.add_rms_norm(
+            attn_out, residual, layer.post_attention_layernorm, self.config.layer.rms_norm_eps
+        )
         return layer.mlp(hidden) + residual
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -220,7 +234,7 @@ class EagleHead(nn.Module):
                 prefix + "hidden_norm.weight": self.hidden_norm,
                 "norm.weight": self.norm,
                 "lm_head.weight": self.lm_head.weight,
-                "d2t": self.draft_to_target - torch.arange(c.draft_vocab_size, device=self.device),
+                "d2t": d2t_offsets(self.draft_to_target),
             }
         return {k: v.detach() for k, v in sd.items()}
 
@@ -255,6 +269,8 @@ class EagleHead(nn.Module):
                 raise ModelLoadError(
                     f"EAGLE-3 d2t maps outside the target vocabulary of {c.target_vocab_size}"
                 )
+            if "t2d" in sd and not torch.equal(sd["t2d"].bool().cpu(), t2d_mask(d2t, c.target_vocab_size)):
+                raise ModelLoadError("EAGLE-3 t2d does not mark exactly the target ids that d2t maps to")
             self.draft_to_target.copy_(d2t)
 
 
@@ -391,5 +407,7 @@ def save_eagle_head(
         k: (v.to(dtype) if v.is_floating_point() else v).contiguous().cpu()
         for k, v in head.published_state_dict().items()
     }
+    if c.arch == "eagle3":  # SpecForge writes t2d beside d2t; vLLM and SGLang skip it, we check it
+        tensors["t2d"] = t2d_mask(head.draft_to_target, c.target_vocab_size).cpu()
     save_file(tensors, path / "model.safetensors")
     (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")

@@ -1,4 +1,4 @@
-"""Self-distillation data for EAGLE heads: prompts -> the target's own responses -> the target's features.
+"""Self-distillation data for EAGLE heads: prompts -> the target's own responses (token ids) -> its features.
 
 The head must imitate the target, so the target writes the responses (greedy or sampled, as it will be run)
 and its hidden states are recorded on exactly those tokens. The prompt set is widened self-instruct style:
@@ -15,7 +15,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 import torch
 from tqdm import tqdm
@@ -32,8 +32,20 @@ _LIST_MARKER = re.compile(r"^\s*(?:\d+[.)]|(?:new )?task:)\s*", re.IGNORECASE)
 
 
 class Prompt(NamedTuple):
-    source: str  # a prompt file's stem, or GENERATED_SOURCE
+    source: str  # a prompt file's stem, GENERATED_SOURCE or a ShareGPT source
     text: str
+    ids: tuple[int, ...] = ()  # chat-template token ids, when given instead of text (ShareGPT turns)
+
+
+class Conversation(NamedTuple):
+    """One distilled conversation as token ids: the prompt, then the target's own response."""
+
+    tokens: list[int]
+    prompt_len: int
+    source: str
+
+
+T = TypeVar("T")
 
 
 def prompt_text(record: dict) -> str | None:
@@ -77,16 +89,21 @@ def load_seed_prompts(data_dir: str | Path) -> dict[str, list[str]]:
     return found
 
 
-def interleave(by_source: dict[str, list[str]], rng: random.Random) -> list[Prompt]:
-    """All prompts tagged with their source, shuffled, so a deadline cut-off keeps the mix."""
-    tagged = [Prompt(name, text) for name, texts in by_source.items() for text in texts]
+def tag(by_source: dict[str, list[str]]) -> dict[str, list[Prompt]]:
+    """Texts as Prompts of their source."""
+    return {name: [Prompt(name, text) for text in texts] for name, texts in by_source.items()}
+
+
+def interleave(by_source: dict[str, list[Prompt]], rng: random.Random) -> list[Prompt]:
+    """All prompts in one list, shuffled, so a deadline cut-off keeps the mix."""
+    tagged = [p for prompts in by_source.values() for p in prompts]
     rng.shuffle(tagged)
     return tagged
 
 
 def split_per_source(
-    by_source: dict[str, list[str]], holdout: float
-) -> tuple[dict[str, list[str]], dict[str, list[str]]]:
+    by_source: dict[str, list[T]], holdout: float
+) -> tuple[dict[str, list[T]], dict[str, list[T]]]:
     """(held-out, train), stratified: each source holds out its first `holdout` share (shuffle first), but
     at least min(MIN_HELDOUT_PER_SOURCE, n // 4), so every source of 4+ prompts is measured, and never all."""
     held, train = {}, {}
@@ -97,7 +114,7 @@ def split_per_source(
     return held, train
 
 
-def cap_source_shares(by_source: dict[str, list[str]], max_share: float) -> dict[str, list[str]]:
+def cap_source_shares(by_source: dict[str, list[T]], max_share: float) -> dict[str, list[T]]:
     """Truncate the largest sources to a common size C, the largest C with C <= max_share x the capped total,
     so no source exceeds max_share of the mix. k sources cannot all stay below 1/k: then the cap is 1/k."""
     sizes = [len(texts) for texts in by_source.values() if texts]
@@ -145,8 +162,12 @@ class Sample:
     source: str = ""
 
 
-def chat_ids(engine: TargetEngine, text: str) -> list[int]:
+def chat_ids(engine: TargetEngine, prompt: Prompt | str) -> list[int]:
+    """A prompt's token ids: given ids, or the text as one user message in the chat template."""
+    if isinstance(prompt, Prompt) and prompt.ids:
+        return list(prompt.ids)
     tok = engine.tokenizer
+    text = prompt.text if isinstance(prompt, Prompt) else prompt
     return tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]))
 
 
@@ -198,46 +219,44 @@ def distill(
     prompts: list[Prompt],
     max_new_tokens: int,
     sample_fraction: float,
+    sample_temperature: float,
     rng: random.Random,
     deadline: float,
     batch: int,
     desc: str,
-) -> list[Sample]:
-    """Let the target answer the prompts (a sample_fraction of them at T = 0.7, the rest greedy), then
-    record its features on prompt + response. Stops at the deadline with what it has."""
-    samples: list[Sample] = []
+) -> list[Conversation]:
+    """Let the target answer the prompts (a sample_fraction of them at sample_temperature, the rest
+    greedy). Stops at the deadline with what it has; features are recorded later (record_features)."""
+    out: list[Conversation] = []
     bar = tqdm(total=len(prompts), desc=desc, unit="prompt")
     for start in range(0, len(prompts), batch):
         if time.monotonic() > deadline:
             break
         chunk = prompts[start : start + batch]
-        ids = [chat_ids(engine, p.text)[: engine.max_context - max_new_tokens] for p in chunk]
+        ids = [chat_ids(engine, p)[: engine.max_context - max_new_tokens] for p in chunk]
         params = [
             SamplingParams(
-                temperature=0.7 if rng.random() < sample_fraction else 0.0,
+                temperature=sample_temperature if rng.random() < sample_fraction else 0.0,
                 max_tokens=max_new_tokens,
                 seed=rng.randrange(2**62),
             )
             for _ in ids
         ]
         results = engine.generate(ids, params)
-        conversations = zip(ids, [r.token_ids for r in results], [p.source for p in chunk], strict=True)
-        samples += record_features(engine, list(conversations))
+        for i, r, p in zip(ids, results, chunk, strict=True):
+            out.append(Conversation(i + r.token_ids, len(i), p.source))
         bar.update(len(ids))
     bar.close()
-    return samples
+    return out
 
 
 @torch.no_grad()
-def record_features(
-    engine: TargetEngine, conversations: list[tuple[list[int], list[int], str]]
-) -> list[Sample]:
-    """Prefill prompt + response (tagged with its source) through the target; keep hidden (and aux taps) on
-    the engine's device."""
+def record_features(engine: TargetEngine, conversations: list[Conversation]) -> list[Sample]:
+    """Prefill each conversation through the target; keep hidden (and aux taps) on the engine's device."""
     samples = []
     for start in range(0, len(conversations), engine.max_slots):
         chunk = conversations[start : start + engine.max_slots]
-        seqs = [(p + r)[: engine.max_context] for p, r, _ in chunk]
+        seqs = [c.tokens[: engine.max_context] for c in chunk]
         slots = [engine.allocate_slot() for _ in seqs]
         try:
             out = engine.prefill(list(zip(slots, seqs, strict=True)))
@@ -245,10 +264,10 @@ def record_features(
             for s in slots:
                 engine.free_slot(s)
         offset = 0
-        for (prompt, _, source), seq in zip(chunk, seqs, strict=True):
+        for c, seq in zip(chunk, seqs, strict=True):
             n = len(seq)
             aux = out.aux_hidden[offset : offset + n] if out.aux_hidden is not None else None
             hidden = out.hidden[offset : offset + n]
-            samples.append(Sample(torch.tensor(seq), len(prompt), hidden, aux, source))
+            samples.append(Sample(torch.tensor(seq), c.prompt_len, hidden, aux, c.source))
             offset += n
     return samples

@@ -1,113 +1,130 @@
-"""`specwire train-eagle`: self-distil an EAGLE head from the target model within a time budget.
+"""`specwire train-eagle`: self-distil an EAGLE head (EAGLE-3 by default) from the target model.
 
-1. Data (a --gen-fraction of --max-minutes): the target writes new instructions from the seed tasks
-   (self-instruct, degenerate and near-duplicate ones dropped), answers seed + new prompts (greedy and
-   T = 0.7), and its features are recorded. Every source holds out its own share (stratified) before it is
-   used, and no source exceeds --max-source-share of the training (or held-out) prompts, so one large file
-   (GSM8K) cannot dominate the head or flatter its held-out numbers.
-2. Training (the rest): EAGLE's losses on the head's output at every response position: smooth-L1 regression
-   onto the target's next feature (EAGLE-1 only) + 0.1 x cross-entropy against the target's next-token
-   distribution (EAGLE-3: restricted to the draft vocabulary). A second, unrolled pass feeds the head its own
-   shifted outputs as features (what drafting steps 2..k see), weighted by --unroll-weight.
-3. Each epoch: held-out top-1 agreement with the target (step 1 and self-fed step 2), overall and per source.
-   Always saves the head (config.json + model.safetensors, published key names, bf16) and train_log.json.
+1. Data (a --gen-fraction of --max-minutes): prompts from --data-dir (self-instruct seed tasks, GSM8K,
+   HumanEval), ShareGPT human turns (--chat-prompts, token ids made by `python -m specwire.drafter.sharegpt`)
+   and instructions the target writes itself (self-instruct). Every source holds out its own share before it
+   is used (ShareGPT: whole conversations, fixed by id); no source exceeds --max-source-share. The target
+   answers every prompt, greedy or at --sample-temperature. Only token ids are kept: features are recomputed
+   on every training batch, so the data set is small enough to checkpoint.
+2. The draft vocabulary (EAGLE-3): the --draft-vocab tokens the target writes most in its training answers;
+   train_log.json reports the share of response tokens it covers (training and held-out).
+3. Training (the rest of the budget; see eagle_trainer): training-time test over --ttt-steps draft steps,
+   forward KL to the target's distribution. With --checkpoint DIR the data and the training state are saved
+   there, and --resume continues a run exactly where it stopped (in a later session, too).
+Always writes the head (config.json + model.safetensors, published key names, bf16) and train_log.json.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import platform
 import random
+import subprocess
+import sys
 import time
-from collections import Counter, defaultdict
+from collections import Counter
 from pathlib import Path
 
+import numpy as np
 import torch
-import torch.nn.functional as F
+from specwire.drafter.draft_vocab import choose_draft_vocab, coverage
 from specwire.drafter.eagle_head import (
     EagleHead,
     EagleHeadConfig,
+    load_eagle_head,
     save_eagle_head,
     shared_target_weights,
 )
+from specwire.drafter.eagle_trainer import Trainer
 from specwire.drafter.self_distill import (
     GENERATED_SOURCE,
+    Conversation,
     Prompt,
-    Sample,
     cap_source_shares,
     distill,
     interleave,
     load_seed_prompts,
     split_per_source,
+    tag,
     write_instructions,
 )
-from tqdm import tqdm
+from specwire.drafter.sharegpt import load_prompt_ids
+from specwire.drafter.token_store import load_token_lists, save_token_lists
 
 from specwire.config import default_aux_layers
 from specwire.default_model import resolve_model_path
 from specwire.engine import TargetEngine, default_device, parse_device
-from specwire.model import KVCache
 from specwire.tokenizer import load_tokenizer
 from specwire.weights import load_checkpoint
 
 DEFAULT_OUT = "drafter_service/heads/smollm2-135m-eagle"
-FEATURE_LOSS_WEIGHT, TOKEN_LOSS_WEIGHT = 1.0, 0.1  # EAGLE's v_w and p_w
-INSTRUCT_SHARE = 0.4  # of the data budget for writing instructions; answering them is the rest
+INSTRUCT_SHARE = 0.25  # of the data budget for writing instructions; answering prompts is the rest
+DATA_FILE, DATA_LOG = "data.npz", "data.json"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="target model (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--data-dir", help="folder with prompts/*.jsonl (read only, nothing copied)")
     p.add_argument(
-        "--data-dir", required=True, help="folder with prompts/*.jsonl (read only, nothing copied)"
+        "--chat-prompts", help="ShareGPT prompt ids (.npz from python -m specwire.drafter.sharegpt)"
     )
     p.add_argument("--out", default=DEFAULT_OUT, help=f"head directory to write (default {DEFAULT_OUT})")
-    p.add_argument("--arch", choices=["eagle1", "eagle3"], default="eagle1")
+    p.add_argument("--arch", choices=["eagle1", "eagle3"], default="eagle3")
     p.add_argument("--device", help="cpu or cuda (default: cuda if available)")
-    p.add_argument("--max-minutes", type=float, default=8.0, help="total time budget (default 8)")
+    p.add_argument("--max-minutes", type=float, default=8.0, help="this invocation's time budget (default 8)")
     p.add_argument(
         "--gen-fraction", type=float, default=0.5, help="share of the budget for data (default 0.5)"
     )
-    p.add_argument("--max-prompts", type=int, default=0, help="cap on seed prompts used (0 = all)")
+    p.add_argument("--max-prompts", type=int, default=0, help="cap on prompts per source (0 = all)")
     p.add_argument("--self-instruct", type=int, default=4000, help="new instructions to write (default 4000)")
     p.add_argument(
         "--max-source-share",
         type=float,
         default=0.5,
-        help="most any one prompt source may make of the training and held-out prompts (default 0.5: with "
-        "two large sources, GSM8K and the written instructions, a lower cap shrinks both to a few hundred)",
+        help="most any one prompt source may make of the training and held-out prompts (default 0.5)",
     )
     p.add_argument("--max-new-tokens", type=int, default=320)
-    p.add_argument(
-        "--sample-fraction", type=float, default=0.5, help="responses sampled at T=0.7, not greedy"
-    )
+    p.add_argument("--sample-fraction", type=float, default=0.5, help="share of answers sampled, not greedy")
+    p.add_argument("--sample-temperature", type=float, default=1.0, help="temperature of sampled answers")
     p.add_argument("--gen-batch", type=int, help="concurrent generations (default 128 on cuda, 8 on cpu)")
-    p.add_argument(
-        "--holdout", type=float, default=0.03, help="held-out share of each source's prompts (default 0.03)"
-    )
+    p.add_argument("--holdout", type=float, default=0.03, help="held-out share of each source (default 0.03)")
+    p.add_argument("--max-heldout", type=int, default=200, help="most held-out conversations per source")
     p.add_argument(
         "--epochs", type=int, default=100, help="maximum epochs; the time budget usually ends first"
     )
     p.add_argument("--lr", type=float, default=6e-4)
+    p.add_argument(
+        "--total-steps",
+        type=int,
+        default=-1,
+        help="steps of the cosine schedule, and a stop (0: constant rate after warm-up, no stop; -1, the "
+        "default: fitted to --max-minutes from the step rate measured at the start, kept on --resume)",
+    )
+    p.add_argument("--stop-after-steps", type=int, default=0, help="stop this invocation after N steps")
     p.add_argument("--batch-tokens", type=int, help="tokens per step (default 8192 on cuda, 512 on cpu)")
     p.add_argument("--max-seq-len", type=int, default=768)
-    p.add_argument(
-        "--unroll-weight", type=float, default=0.5, help="loss weight of the self-fed pass (0 = off)"
-    )
+    p.add_argument("--ttt-steps", type=int, default=7, help="draft steps unrolled in training (EAGLE-3: 7)")
+    p.add_argument("--ttt-decay", type=float, default=0.8, help="loss weight of step j is decay**j")
     p.add_argument(
         "--feature-noise", type=float, default=0.05, help="uniform noise on input features (x RMS)"
     )
-    p.add_argument("--draft-vocab", type=int, default=16384, help="EAGLE-3 draft vocabulary size")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--draft-vocab", type=int, default=8192, help="EAGLE-3 draft vocabulary size")
+    p.add_argument("--checkpoint", help="folder for the data and training checkpoints (resumable)")
+    p.add_argument("--checkpoint-every", type=int, default=500, help="steps between checkpoints")
+    p.add_argument("--resume", action="store_true", help="continue the run saved in --checkpoint")
     p.add_argument(
-        "--write-heldout", metavar="FILE", help="also write the held-out prompts as JSONL (for bench)"
+        "--init-head",
+        help="start from this head's weights and draft vocabulary (e.g. the shipped head, when the run's "
+        "checkpoint stayed on another machine); fresh optimizer",
     )
+    p.add_argument("--log-every", type=int, default=50, help="steps between training-curve points")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--write-heldout", metavar="FILE", help="also write held-out text prompts as JSONL")
 
 
-def run(args: argparse.Namespace) -> int:
-    t0 = time.monotonic()
+def _validate(args: argparse.Namespace) -> None:
     if not 0 < args.gen_fraction < 1:
         raise ValueError(f"--gen-fraction must be in (0, 1), got {args.gen_fraction}")
     if args.max_minutes <= 0:
@@ -116,114 +133,189 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--holdout must be in (0, 1), got {args.holdout}")
     if not 0 < args.max_source_share <= 1:
         raise ValueError(f"--max-source-share must be in (0, 1], got {args.max_source_share}")
+    if args.ttt_steps < 1:
+        raise ValueError(f"--ttt-steps must be >= 1, got {args.ttt_steps}")
+    if args.resume and not args.checkpoint:
+        raise ValueError("--resume needs --checkpoint DIR")
+    if not args.resume and not (args.data_dir or args.chat_prompts):
+        raise ValueError("give --data-dir and/or --chat-prompts (or --resume a checkpointed run)")
+
+
+def run(args: argparse.Namespace) -> int:
+    t0 = time.monotonic()
+    _validate(args)
     budget = args.max_minutes * 60
-    rng = random.Random(args.seed)
     torch.manual_seed(args.seed)
-    seeds = load_seed_prompts(args.data_dir)
     engine = _engine(args)
     cuda = engine.device.type == "cuda"
-    gen_batch = args.gen_batch or (128 if cuda else 8)
-
-    # ---------------------------------------------------------------- data
-    tagged = interleave(seeds, rng)[: args.max_prompts or None]
-    by_source = {name: [p.text for p in tagged if p.source == name] for name in seeds}
-    held_by, train_by = split_per_source(by_source, args.holdout)  # before any seed task is shown as example
-    new, verdicts = [], Counter()
-    instruction_seeds = train_by.get("self_instruct_seed_tasks", [])
-    if args.self_instruct and instruction_seeds:
-        instruct_deadline = t0 + budget * args.gen_fraction * INSTRUCT_SHARE
-        known = [p for group in seeds.values() for p in group]
-        new, verdicts = write_instructions(
-            engine, instruction_seeds, args.self_instruct, rng, instruct_deadline, gen_batch, known
-        )
-    held_new, train_new = split_per_source({GENERATED_SOURCE: new}, args.holdout)
-    available = {**{k: len(v) for k, v in by_source.items()}, GENERATED_SOURCE: len(new)}
-    held_prompts = interleave(cap_source_shares(held_by | held_new, args.max_source_share), rng)
-    train_prompts = interleave(cap_source_shares(train_by | train_new, args.max_source_share), rng)
-    if not held_prompts:
-        raise ValueError(f"--holdout {args.holdout} holds out no prompt: the prompt files are too small")
-    if args.write_heldout:
-        lines = [json.dumps({"prompt": p.text, "source": p.source}) for p in held_prompts]
-        Path(args.write_heldout).write_text("\n".join(lines) + "\n")
-    gen_deadline = t0 + budget * args.gen_fraction
-    distill_args = (args.max_new_tokens, args.sample_fraction, rng, gen_deadline, gen_batch)
-    held = distill(engine, held_prompts, *distill_args, "held-out")
-    train = distill(engine, train_prompts, *distill_args, "distill")
+    ckpt = Path(args.checkpoint) if args.checkpoint else None
+    if args.resume:
+        train, held, data_log = load_data(ckpt)
+    else:
+        train, held, data_log = make_data(args, engine, t0 + budget * args.gen_fraction)
+        if ckpt:
+            save_data(ckpt, train, held, data_log)
     if not train or not held:
         raise ValueError(f"--max-minutes {args.max_minutes} left no time to generate training data")
     gen_seconds = time.monotonic() - t0
 
-    # ---------------------------------------------------------------- train
     head = _new_head(args, engine, train)
     trainer = Trainer(head, engine, args, cuda)
-    train_deadline = t0 + budget - min(15.0, 0.05 * budget)  # keep time to save
-    history = trainer.fit(train, held, train_deadline)
+    if args.resume and (ckpt / "state").is_dir():
+        trainer.restore(ckpt / "state")
+    vocab_log = _vocab_log(head, train, held)
+    reserve = min(90.0, max(15.0, 0.06 * budget))  # for the final evaluation and saving
+    trainer.fit(train, held, t0 + budget - reserve, ckpt / "state" if ckpt else None)
+
     out = Path(args.out)
     log = {
         "arch": args.arch,
+        "command": " ".join(sys.argv),
+        "commit": _commit(),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "model": str(args.model or "default SmolLM2-135M-Instruct"),
-        "data": {
-            "seed_prompt_files": {k: len(v) for k, v in seeds.items()},
-            "self_instruct": {"requested": args.self_instruct, "written": len(new), **verdicts},
-            "max_source_share": args.max_source_share,
-            "prompts_per_source": _source_counts(available, held_prompts, train_prompts, held, train),
-            "train_conversations": len(train),
-            "held_out_conversations": len(held),
-            "train_tokens": sum(len(s.tokens) for s in train),
-            "train_response_tokens": sum(len(s.tokens) - s.prompt_len for s in train),
-            "max_new_tokens": args.max_new_tokens,
-            "sample_fraction_t0.7": args.sample_fraction,
-        },
-        "steps": trainer.steps,
-        "epochs": len(history),
+        "data": data_log,
+        "draft_vocab": vocab_log,
+        "steps": trainer.step,
+        "total_steps": trainer.total_steps,
+        "epochs_done": trainer.epoch,
         "generation_seconds": round(gen_seconds, 1),
-        "training_seconds": round(time.monotonic() - t0 - gen_seconds, 1),
         "machine": {
             "device": torch.cuda.get_device_name() if cuda else platform.processor() or "cpu",
             "torch": torch.__version__,
             "python": platform.python_version(),
         },
         "hyperparameters": {k: v for k, v in vars(args).items() if k not in ("run",)},
-        "held_out": history,
+        "sessions": trainer.sessions,
+        "held_out": trainer.history,
+        "curve": trainer.curve,
     }
-    save_eagle_head(
-        head,
-        out,
-        extra={
-            "target_tokenizer": engine.tokenizer.fingerprint,
-            "held_out": _without_sources(history[-1]) if history else None,
-        },
-    )
+    last = {k: v for k, v in trainer.history[-1].items() if k != "per_source"}
+    save_eagle_head(head, out, extra={"target_tokenizer": engine.tokenizer.fingerprint, "held_out": last})
     (out / "train_log.json").write_text(json.dumps(log, indent=2, default=str) + "\n")
-    print(json.dumps({"out": str(out), "steps": trainer.steps, "held_out": history[-1] if history else None}))
+    print(json.dumps({"out": str(out), "steps": trainer.step, "held_out": last}))
     return 0
+
+
+# ------------------------------------------------------------------------------------------ data
+
+
+def _prompt_sources(args: argparse.Namespace) -> tuple[dict[str, list[Prompt]], dict[str, list[Prompt]]]:
+    """(held-out, train) prompts per source before self-instruct: text files split per source, ShareGPT
+    split by its fixed per-conversation flag."""
+    rng = random.Random(args.seed)
+    by_source = tag(load_seed_prompts(args.data_dir)) if args.data_dir else {}
+    for prompts in by_source.values():
+        rng.shuffle(prompts)
+    held, train = split_per_source(by_source, args.holdout)
+    if args.chat_prompts:
+        for source, ids, is_held in load_prompt_ids(args.chat_prompts):
+            side = held if is_held else train
+            side.setdefault(source, []).append(Prompt(source, "", tuple(ids)))
+        for side in (held, train):
+            for prompts in side.values():
+                rng.shuffle(prompts)
+    cap = args.max_prompts or None
+    held = {k: v[: min(args.max_heldout, cap or args.max_heldout)] for k, v in held.items()}
+    return held, {k: v[:cap] for k, v in train.items()}
+
+
+def make_data(
+    args: argparse.Namespace, engine: TargetEngine, deadline: float
+) -> tuple[list[Conversation], list[Conversation], dict]:
+    """Prompts -> the target's answers (token ids), held out per source; and the data mix for the log."""
+    t0 = time.monotonic()
+    rng = random.Random(args.seed)
+    gen_batch = engine.max_slots
+    held_by, train_by = _prompt_sources(args)
+    new, verdicts = [], Counter()
+    seeds = [p.text for p in train_by.get("self_instruct_seed_tasks", [])]
+    if args.self_instruct and seeds:
+        known = [p.text for group in (*held_by.values(), *train_by.values()) for p in group if p.text]
+        instruct_deadline = t0 + (deadline - t0) * INSTRUCT_SHARE
+        new, verdicts = write_instructions(
+            engine, seeds, args.self_instruct, rng, instruct_deadline, gen_batch, known
+        )
+    held_new, train_new = split_per_source(tag({GENERATED_SOURCE: new}), args.holdout)
+    held_by, train_by = held_by | held_new, train_by | train_new
+    available = {k: len(held_by.get(k, [])) + len(v) for k, v in train_by.items()}
+    held_prompts = interleave(cap_source_shares(held_by, args.max_source_share), rng)
+    train_prompts = interleave(cap_source_shares(train_by, args.max_source_share), rng)
+    if not held_prompts:
+        raise ValueError(f"--holdout {args.holdout} holds out no prompt: the prompt files are too small")
+    if args.write_heldout:
+        lines = [json.dumps({"prompt": p.text, "source": p.source}) for p in held_prompts if p.text]
+        Path(args.write_heldout).write_text("\n".join(lines) + "\n")
+    gen = (args.max_new_tokens, args.sample_fraction, args.sample_temperature, rng, deadline, gen_batch)
+    held = distill(engine, held_prompts, *gen, "held-out")
+    train = distill(engine, train_prompts, *gen, "distill")
+    log = {
+        "sources": _source_counts(available, held_prompts, train_prompts, held, train),
+        "self_instruct": {"requested": args.self_instruct, "written": len(new), **verdicts},
+        "max_source_share": args.max_source_share,
+        "train_conversations": len(train),
+        "held_out_conversations": len(held),
+        "train_tokens": sum(len(c.tokens) for c in train),
+        "train_response_tokens": sum(len(c.tokens) - c.prompt_len for c in train),
+        "max_new_tokens": args.max_new_tokens,
+        "answers": {
+            "sampled_share": args.sample_fraction,
+            "temperature": args.sample_temperature,
+            "greedy_share": round(1 - args.sample_fraction, 4),
+        },
+        "seconds": round(time.monotonic() - t0, 1),
+    }
+    return train, held, log
 
 
 def _source_counts(
     available: dict[str, int],
     held_prompts: list[Prompt],
     train_prompts: list[Prompt],
-    held: list[Sample],
-    train: list[Sample],
+    held: list[Conversation],
+    train: list[Conversation],
 ) -> dict[str, dict]:
-    """Per source: prompts available, held out and used for training (after the cap), conversations distilled
-    (a deadline may cut training ones off) and the source's share of the distilled training conversations."""
+    """Per source: prompts available, held out and used for training (after the cap), conversations
+    distilled (a deadline may cut training ones off) and the source's share of the training conversations."""
     counts = {}
     for name, n in available.items():
-        n_train = sum(s.source == name for s in train)
+        n_train = sum(c.source == name for c in train)
         counts[name] = {
             "available": n,
             "held_out_prompts": sum(p.source == name for p in held_prompts),
             "train_prompts": sum(p.source == name for p in train_prompts),
-            "held_out_conversations": sum(s.source == name for s in held),
+            "held_out_conversations": sum(c.source == name for c in held),
             "train_conversations": n_train,
             "train_share": round(n_train / max(len(train), 1), 4),
         }
     return counts
 
 
-def _without_sources(metrics: dict) -> dict:
-    return {k: v for k, v in metrics.items() if k != "per_source"}
+def save_data(folder: Path, train: list[Conversation], held: list[Conversation], log: dict) -> None:
+    """The distilled conversations as token ids (a few MB), and the data log, into the checkpoint folder."""
+    folder.mkdir(parents=True, exist_ok=True)
+    rows = train + held
+    save_token_lists(
+        folder / DATA_FILE,
+        [c.tokens for c in rows],
+        prompt_len=np.asarray([c.prompt_len for c in rows], dtype=np.int32),
+        source=np.asarray([c.source for c in rows]),
+        held_out=np.asarray([i >= len(train) for i in range(len(rows))]),
+    )
+    (folder / DATA_LOG).write_text(json.dumps(log, indent=2) + "\n")
+
+
+def load_data(folder: Path) -> tuple[list[Conversation], list[Conversation], dict]:
+    lists, cols = load_token_lists(folder / DATA_FILE)
+    rows = [
+        (Conversation(t, int(n), str(s)), bool(h))
+        for t, n, s, h in zip(lists, cols["prompt_len"], cols["source"], cols["held_out"], strict=True)
+    ]
+    log = json.loads((folder / DATA_LOG).read_text())
+    return [c for c, h in rows if not h], [c for c, h in rows if h], log
+
+
+# ------------------------------------------------------------------------------------------ model
 
 
 def _engine(args: argparse.Namespace) -> TargetEngine:
@@ -244,198 +336,63 @@ def _engine(args: argparse.Namespace) -> TargetEngine:
     return engine
 
 
-def _new_head(args: argparse.Namespace, engine: TargetEngine, train: list[Sample]) -> EagleHead:
-    target = engine.config
-    config = EagleHeadConfig.for_target(target, args.arch, args.draft_vocab)
-    head = EagleHead(
-        config, shared_target_weights(engine.model), torch.float32, engine.device, engine.max_context
-    )
-    head.init_weights(args.seed)
-    if args.arch == "eagle3":
-        head.draft_to_target.copy_(_frequent_tokens(train, config.draft_vocab_size, target.vocab_size))
+def _new_head(args: argparse.Namespace, engine: TargetEngine, train: list[Conversation]) -> EagleHead:
+    """A fresh head (EAGLE-3: its draft vocabulary chosen from train), or --init-head's weights and
+    vocabulary to continue from (the optimizer starts afresh: a warm start, not an exact resume)."""
+    target, shared = engine.config, shared_target_weights(engine.model)
+    if args.init_head:
+        dev, ctx = engine.device, engine.max_context
+        head = load_eagle_head(args.init_head, target, shared, torch.float32, dev, ctx)
+        if head.config.arch != args.arch or head.config.aux_layers != engine.aux_layers:
+            raise ValueError(
+                f"--init-head {args.init_head} is {head.config.arch} with taps {head.config.aux_layers}, "
+                f"not --arch {args.arch} with {engine.aux_layers}"
+            )
+    else:
+        config = EagleHeadConfig.for_target(target, args.arch, args.draft_vocab)
+        head = EagleHead(config, shared, torch.float32, engine.device, engine.max_context)
+        head.init_weights(args.seed)
+        if args.arch == "eagle3":
+            responses = (c.tokens[c.prompt_len :] for c in train)
+            chosen = choose_draft_vocab(responses, config.draft_vocab_size, target.vocab_size)
+            head.draft_to_target.copy_(chosen)
     head.requires_grad_(False)
     for p in head.trainable_parameters().values():
         p.requires_grad_(True)
     return head
 
 
-def _frequent_tokens(train: list[Sample], size: int, vocab: int) -> torch.Tensor:
-    """The draft vocabulary: the `size` most frequent tokens of the distilled text, ascending (EAGLE-3)."""
-    counts = Counter(t for s in train for t in s.tokens.tolist())
-    chosen = [t for t, _ in counts.most_common(size)]
-    chosen += [t for t in range(vocab) if t not in set(chosen)][: size - len(chosen)]
-    return torch.tensor(sorted(chosen))
+def _vocab_log(head: EagleHead, train: list[Conversation], held: list[Conversation]) -> dict | None:
+    """The draft vocabulary's size and the share of the target's response tokens it covers."""
+    if head.config.arch != "eagle3":
+        return None
+    vocab = head.config.target_vocab_size
+    return {
+        "size": head.config.draft_vocab_size,
+        "chosen_from": "the target's response tokens in the training conversations, by frequency",
+        "train_response_coverage": round(
+            coverage((c.tokens[c.prompt_len :] for c in train), head.draft_to_target, vocab), 4
+        ),
+        "held_out_response_coverage": round(
+            coverage((c.tokens[c.prompt_len :] for c in held), head.draft_to_target, vocab), 4
+        ),
+    }
 
 
-class Trainer:
-    def __init__(self, head: EagleHead, engine: TargetEngine, args: argparse.Namespace, cuda: bool):
-        self.head, self.engine, self.args, self.cuda = head, engine, args, cuda
-        self.batch_tokens = args.batch_tokens or (8192 if cuda else 512)
-        params = list(head.trainable_parameters().values())
-        self.optimizer = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
-        self.steps = 0
-
-    def fit(self, train: list[Sample], held: list[Sample], deadline: float) -> list[dict]:
-        """Epochs until `deadline` or --epochs; evaluates the held-out set after each one."""
-        # The reference ops are differentiable; the Triton kernels are not.
-        previous, os.environ["SPECWIRE_TORCH_OPS"] = os.environ.get("SPECWIRE_TORCH_OPS"), "1"
-        try:
-            start, history = time.monotonic(), []
-            for epoch in range(self.args.epochs):
-                batches = self._batches(train, shuffle=True)
-                for batch in tqdm(batches, desc=f"epoch {epoch + 1}", unit="step"):
-                    if time.monotonic() > deadline:
-                        break
-                    progress = (time.monotonic() - start) / max(deadline - start, 1e-9)
-                    self._step(batch, progress)
-                else:
-                    history.append({"epoch": epoch + 1, "step": self.steps, **self.evaluate(held)})
-                    tqdm.write(json.dumps(history[-1]))
-                    continue
-                history.append(
-                    {"epoch": epoch + 1, "step": self.steps, "partial": True, **self.evaluate(held)}
-                )
-                tqdm.write(json.dumps(history[-1]))
-                break
-            return history
-        finally:
-            if previous is None:
-                os.environ.pop("SPECWIRE_TORCH_OPS")
-            else:
-                os.environ["SPECWIRE_TORCH_OPS"] = previous
-
-    def _batches(self, samples: list[Sample], shuffle: bool) -> list[list[Sample]]:
-        """Length-sorted batches of about batch_tokens padded tokens each, in random order."""
-        ordered = sorted(samples, key=lambda s: len(s.tokens))
-        batches, current = [], []
-        for s in ordered:
-            width = min(len(s.tokens), self.args.max_seq_len)
-            if current and width * (len(current) + 1) > self.batch_tokens:
-                batches.append(current)
-                current = []
-            current.append(s)
-        if current:
-            batches.append(current)
-        if shuffle:
-            random.shuffle(batches)
-        return batches
-
-    def _step(self, batch: list[Sample], progress: float) -> None:
-        warmup = min(1.0, (self.steps + 1) / 50)
-        lr = self.args.lr * warmup * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.cuda):
-            losses = self._losses(batch, noise=self.args.feature_noise)
-        loss = losses["loss"]
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(self.optimizer.param_groups[0]["params"], 0.5)
-        self.optimizer.step()
-        self.steps += 1
-
-    def _inputs(self, batch: list[Sample]) -> dict[str, torch.Tensor]:
-        """Head position t: token t + 1 with the feature of t; targets: feature and distribution of t + 1."""
-        dev, eagle3 = self.head.device, self.head.config.arch == "eagle3"
-        lengths = [min(len(s.tokens), self.args.max_seq_len) for s in batch]
-        T = max(lengths) - 1
-        B = len(batch)
-        ids = torch.zeros(B, T, dtype=torch.int64)
-        feats = torch.zeros(B, T, self.head.config.feature_dim, device=dev)
-        target = torch.zeros(B, T, self.head.config.layer.hidden_size, device=dev)
-        mask = torch.zeros(B, T, dtype=torch.bool)
-        for b, (s, n) in enumerate(zip(batch, lengths, strict=True)):
-            ids[b, : n - 1] = s.tokens[1:n]
-            feats[b, : n - 1] = (s.aux if eagle3 else s.hidden)[: n - 1].float()
-            target[b, : n - 1] = s.hidden[1:n].float()
-            mask[b, max(s.prompt_len - 2, 0) : n - 1] = True  # positions that predict response tokens
-        return {
-            "ids": ids.to(dev),
-            "feats": feats,
-            "target": target,
-            "mask": mask.to(dev),
-            "num_tokens": torch.tensor([n - 1 for n in lengths], dtype=torch.int32, device=dev),
-        }
-
-    def _forward(self, x: dict[str, torch.Tensor], feats: torch.Tensor, own: bool) -> torch.Tensor:
-        B, T = x["ids"].shape
-        cache = KVCache.allocate(self.head.config.layer, B, T, torch.float32, self.head.device)
-        zeros = torch.zeros(B, dtype=torch.int32, device=self.head.device)
-        slots = torch.arange(B, dtype=torch.int32, device=self.head.device)
-        return self.head(
-            x["ids"], feats, zeros, x["num_tokens"], slots, cache.k[0], cache.v[0], own_features=own
+def _commit() -> str:
+    """The code's commit (SPECWIRE_COMMIT where the tree travelled without .git)."""
+    if os.environ.get("SPECWIRE_COMMIT"):
+        return os.environ["SPECWIRE_COMMIT"]
+    try:
+        return (
+            subprocess.run(
+                ["git", "rev-parse", "HEAD"],
+                capture_output=True,
+                text=True,
+                timeout=5,
+                cwd=Path(__file__).parent,
+            ).stdout.strip()
+            or "unknown"
         )
-
-    def _losses(self, batch: list[Sample], noise: float) -> dict[str, torch.Tensor]:
-        head, x = self.head, self._inputs(batch)
-        eagle3 = head.config.arch == "eagle3"
-        feats = x["feats"]
-        if noise:
-            rms = feats.pow(2).mean(-1, keepdim=True).sqrt()
-            feats = feats + (torch.rand_like(feats) - 0.5) * 2 * noise * rms
-        with torch.no_grad():
-            target_logits = self.engine.model.lm_head(x["target"].to(self.engine.dtype)).float()
-            if eagle3:
-                target_logits = target_logits[..., head.draft_to_target]
-            target_p = torch.softmax(target_logits, -1)
-        mask = x["mask"].float()
-        out = self._forward(x, feats, own=False)
-        passes = [(out, mask, 1.0)]
-        if self.args.unroll_weight > 0:  # position t gets the head's own prediction of feature t
-            first = head.fc(feats[:, :1]) if eagle3 else feats[:, :1]
-            shifted = torch.cat([first, out[:, :-1]], dim=1)
-            unrolled = self._forward(x, shifted, own=eagle3)
-            second_mask = mask.clone()
-            second_mask[:, 0] = 0
-            passes.append((unrolled, second_mask, self.args.unroll_weight))
-        total, result = 0.0, {}
-        for i, (o, m, weight) in enumerate(passes):
-            denom = m.sum().clamp_min(1.0)
-            logp = torch.log_softmax(head.logits(o), -1)
-            token_loss = -((target_p * logp).sum(-1) * m).sum() / denom
-            loss = TOKEN_LOSS_WEIGHT * token_loss
-            if not eagle3:
-                feature_loss = (
-                    F.smooth_l1_loss(o.float(), x["target"], reduction="none").mean(-1) * m
-                ).sum() / denom
-                loss = loss + FEATURE_LOSS_WEIGHT * feature_loss
-            agree = ((logp.argmax(-1) == target_p.argmax(-1)).float() * m).sum() / denom
-            result |= {f"loss_{i + 1}": loss.detach(), f"top1_{i + 1}": agree.detach()}
-            total = total + weight * loss
-        result["loss"], result["positions"] = total, mask.sum()
-        return result
-
-    @torch.no_grad()
-    def evaluate(self, held: list[Sample]) -> dict:
-        """Held-out metrics over all held-out conversations and, under "per_source", for each source."""
-        by_source: dict[str, list[Sample]] = defaultdict(list)
-        for s in held:
-            by_source[s.source].append(s)
-        sums = {name: self._metric_sums(group) for name, group in sorted(by_source.items())}
-        total: Counter = Counter()
-        for part in sums.values():
-            total.update(part)  # update() keeps zero sums, unlike +
-        return {**_metrics(total), "per_source": {name: _metrics(part) for name, part in sums.items()}}
-
-    def _metric_sums(self, samples: list[Sample]) -> Counter:
-        """Position-weighted sums of the losses and top-1 agreements, and the number of positions ("n")."""
-        sums: Counter = Counter()
-        for batch in self._batches(samples, shuffle=False):
-            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.cuda):
-                r = self._losses(batch, noise=0.0)
-            n = float(r.pop("positions"))
-            r.pop("loss")
-            sums["n"] += n
-            for k, v in r.items():
-                sums[k] += float(v) * n
-        return sums
-
-
-def _metrics(sums: Counter) -> dict[str, float]:
-    """Token-weighted loss and top-1 agreement with the target at step 1 and (self-fed) step 2; the
-    acceptance-length proxy 1 + a1 + a1 a2 + a1 a2^2 + a1 a2^3 assumes step 2's rate for steps 3-4."""
-    metrics = {k: round(v / max(sums["n"], 1), 4) for k, v in sums.items() if k != "n"}
-    a1, a2 = metrics.get("top1_1", 0.0), metrics.get("top1_2", metrics.get("top1_1", 0.0))
-    metrics["acceptance_length_proxy_k4"] = round(1 + a1 * (1 + a2 + a2**2 + a2**3), 3)
-    metrics["positions"] = int(sums["n"])  # how much each number rests on
-    return metrics
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"

@@ -9,7 +9,7 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from specwire.drafter.eagle_head import load_eagle_head
 from specwire.drafter.self_distill import (
     cap_source_shares,
@@ -77,6 +77,12 @@ def write_tiny_target(path: Path, num_layers: int = 6, seed: int = 0) -> Path:
     return path
 
 
+def train_cli(tiny_target: Path, data_dir: Path, out: Path, *extra: str) -> int:
+    """`specwire train-eagle` on the tiny target and prompt files, on the CPU."""
+    common = ["--model", str(tiny_target), "--data-dir", str(data_dir), "--out", str(out), "--device", "cpu"]
+    return main(["train-eagle", *common, *extra])
+
+
 @pytest.fixture(scope="module")
 def tiny_target(tmp_path_factory) -> Path:
     return write_tiny_target(tmp_path_factory.mktemp("target"))
@@ -94,46 +100,25 @@ def data_dir(tmp_path_factory) -> Path:
 @pytest.mark.parametrize("arch", ["eagle1", "eagle3"])
 def test_train_eagle_smoke_writes_a_loadable_head(tiny_target, data_dir, tmp_path, capsys, arch):
     out = tmp_path / "head"
-    rc = main(
-        [
-            "train-eagle",
-            "--model",
-            str(tiny_target),
-            "--data-dir",
-            str(data_dir),
-            "--out",
-            str(out),
-            "--arch",
-            arch,
-            "--device",
-            "cpu",
-            "--max-minutes",
-            "1",  # generous: the first CPU generations warm up for seconds; the 2 epochs end it early
-            "--gen-fraction",
-            "0.7",
-            "--max-new-tokens",
-            "12",
-            "--self-instruct",
-            "2",
-            "--gen-batch",
-            "4",
-            "--holdout",
-            "0.2",
-            "--epochs",
-            "2",
-            "--draft-vocab",
-            "512",
-            "--max-source-share",
-            str(MAX_SHARE),
-            "--write-heldout",
-            str(tmp_path / "heldout.jsonl"),
-        ]
-    )
+    rc = train_cli(
+        tiny_target, data_dir, out,
+        "--arch", arch,
+        "--max-minutes", "3",  # generous (a loaded 2-core CI machine): the 2 epochs end it early
+        "--gen-fraction", "0.7",
+        "--max-new-tokens", "12",
+        "--self-instruct", "2",
+        "--gen-batch", "4",
+        "--holdout", "0.2",
+        "--epochs", "2",
+        "--draft-vocab", "512",
+        "--max-source-share", str(MAX_SHARE),
+        "--write-heldout", str(tmp_path / "heldout.jsonl"),
+    )  # fmt: skip
     assert rc == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert summary["steps"] > 0
     log = json.loads((out / "train_log.json").read_text())
-    counts = log["data"]["prompts_per_source"]
+    counts = log["data"]["sources"]
     assert set(SOURCES) <= set(counts)
     for stem, records in SOURCES.items():  # stratified: every source of 4+ prompts is held out on its own
         assert counts[stem]["available"] == len(records) >= 4
@@ -166,21 +151,7 @@ def test_train_eagle_smoke_writes_a_loadable_head(tiny_target, data_dir, tmp_pat
 
 
 def test_train_eagle_rejects_bad_budget(tiny_target, data_dir, tmp_path, capsys):
-    rc = main(
-        [
-            "train-eagle",
-            "--model",
-            str(tiny_target),
-            "--data-dir",
-            str(data_dir),
-            "--out",
-            str(tmp_path),
-            "--max-minutes",
-            "0",
-            "--device",
-            "cpu",
-        ]
-    )
+    rc = train_cli(tiny_target, data_dir, tmp_path, "--max-minutes", "0")
     assert rc == 2 and "--max-minutes must be > 0" in capsys.readouterr().err
 
 
@@ -267,3 +238,49 @@ def test_screen_instruction_drops_degenerate_and_near_duplicates():
         "kept",
     ]
     assert normalise("Explain why the sky is blue to a child.") in seen
+
+
+def _train(tiny_target, data_dir, out: Path, *extra: str) -> int:
+    return train_cli(
+        tiny_target, data_dir, out,
+        "--max-minutes", "10", "--self-instruct", "0", "--max-new-tokens", "8", "--gen-batch", "4",
+        "--holdout", "0.2", "--draft-vocab", "256", "--total-steps", "7", "--ttt-steps", "3",
+        "--log-every", "1", "--checkpoint-every", "2", "--batch-tokens", "160", *extra,
+    )  # fmt: skip
+
+
+def test_resume_from_checkpoint_equals_an_uninterrupted_run(tiny_target, data_dir, tmp_path, capsys):
+    assert _train(tiny_target, data_dir, tmp_path / "a", "--checkpoint", str(tmp_path / "ck_a")) == 0
+    # The same run stopped after 3 steps (mid-epoch), then resumed from its checkpoint to the end.
+    ck = str(tmp_path / "ck_b")
+    assert _train(tiny_target, data_dir, tmp_path / "b0", "--checkpoint", ck, "--stop-after-steps", "3") == 0
+    assert json.loads((tmp_path / "b0" / "train_log.json").read_text())["steps"] == 3
+    assert _train(tiny_target, data_dir, tmp_path / "b", "--checkpoint", ck, "--resume") == 0
+    log_a, log_b = (json.loads((tmp_path / d / "train_log.json").read_text()) for d in ("a", "b"))
+    assert log_a["steps"] == log_b["steps"] == 7
+    assert log_a["curve"] == log_b["curve"] and len(log_a["curve"]) == 7  # same losses at every step
+    assert [s["to_step"] for s in log_b["sessions"]] == [3, 7]
+    a, b = (load_file(tmp_path / d / "model.safetensors") for d in ("a", "b"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert log_b["draft_vocab"]["size"] == 256 and 0 < log_b["draft_vocab"]["train_response_coverage"] <= 1
+    # A warm start from the finished head (the checkpoint left behind): its vocabulary and weights, moved on.
+    assert (
+        _train(
+            tiny_target,
+            data_dir,
+            tmp_path / "d",
+            "--init-head",
+            str(tmp_path / "a"),
+            "--stop-after-steps",
+            "1",
+        )
+        == 0
+    )
+    d = load_file(tmp_path / "d" / "model.safetensors")
+    assert torch.equal(d["d2t"], a["d2t"]) and not torch.equal(d["fc.weight"], a["fc.weight"])
+    step = (d["fc.weight"].float() - a["fc.weight"].float()).abs().max()
+    assert step < 0.1 * a["fc.weight"].float().abs().max()
+    # Proof that the comparison can fail: a run with one step less ends elsewhere.
+    assert _train(tiny_target, data_dir, tmp_path / "c", "--total-steps", "6") == 0
+    c = load_file(tmp_path / "c" / "model.safetensors")
+    assert not torch.equal(a["fc.weight"], c["fc.weight"])

@@ -1,0 +1,277 @@
+"""The training loop of `specwire train-eagle`: training-time test, soft targets, resumable checkpoints.
+
+Per step: the target recomputes its features on a batch of conversations (token ids only are stored), the
+head is unrolled over its own outputs for --ttt-steps draft steps (drafter_service.ttt) and every step j is
+scored with weight decay**j against the target's next-token distribution: forward KL, for EAGLE-3 against
+the distribution restricted to the draft vocabulary and renormalised. EAGLE-1 adds its smooth-L1 regression
+onto the target's next feature. Batches come in a fixed order per (seed, epoch), so (epoch, batch index),
+the optimizer and the random state are the whole training position: resuming is exact.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import random
+import time
+from collections import Counter, defaultdict
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from specwire.drafter.draft_vocab import restricted_log_probs
+from specwire.drafter.eagle_head import EagleHead
+from specwire.drafter.self_distill import Conversation, Sample, record_features
+from specwire.drafter.train_state import load_train_state, save_train_state
+from specwire.drafter.ttt import step_mask, unroll
+from tqdm import tqdm
+
+from specwire.engine import TargetEngine
+
+FEATURE_LOSS_WEIGHT, EAGLE1_TOKEN_LOSS_WEIGHT = 1.0, 0.1  # EAGLE-1's v_w and p_w
+WARMUP_STEPS = 50
+AUTO_PROBE_STEPS = (5, 30)  # --total-steps -1: the step rate measured between these steps of a session
+PROXY_K = 4  # the acceptance-length proxy's chain length
+
+
+@contextlib.contextmanager
+def torch_ops() -> Iterator[None]:
+    """The reference (differentiable) layer ops; the Triton kernels have no backward."""
+    previous, os.environ["SPECWIRE_TORCH_OPS"] = os.environ.get("SPECWIRE_TORCH_OPS"), "1"
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop("SPECWIRE_TORCH_OPS")
+        else:
+            os.environ["SPECWIRE_TORCH_OPS"] = previous
+
+
+class Trainer:
+    def __init__(self, head: EagleHead, engine: TargetEngine, args: argparse.Namespace, cuda: bool):
+        self.head, self.engine, self.args, self.cuda = head, engine, args, cuda
+        self.batch_tokens = args.batch_tokens or (8192 if cuda else 512)
+        self.params = head.trainable_parameters()
+        self.optimizer = torch.optim.AdamW(
+            list(self.params.values()), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0
+        )
+        self.step = self.epoch = self.batch_index = 0
+        self.total_steps = args.total_steps  # -1: fitted to this invocation's time budget once measured
+        self.curve: list[dict] = []  # training losses every --log-every steps
+        self.history: list[dict] = []  # held-out evaluations
+        self.sessions: list[dict] = []  # one entry per invocation (resumed runs add theirs)
+        self._window: Counter = Counter()
+
+    # ------------------------------------------------------------------------------ checkpoints
+
+    def save(self, path: str | Path) -> None:
+        meta = {
+            "step": self.step,
+            "epoch": self.epoch,
+            "batch_index": self.batch_index,
+            "curve": self.curve,
+            "history": self.history,
+            "sessions": self.sessions,
+        }
+        save_train_state(path, self.params, self.optimizer, self.head.draft_to_target, meta)
+
+    def restore(self, path: str | Path) -> None:
+        meta = load_train_state(path, self.params, self.optimizer, self.head.draft_to_target)
+        self.step, self.epoch, self.batch_index = meta["step"], meta["epoch"], meta["batch_index"]
+        self.curve, self.history, self.sessions = meta["curve"], meta["history"], meta["sessions"]
+        if self.args.total_steps < 0 and meta["total_steps"] > 0:  # keep the schedule the run started with
+            self.total_steps = meta["total_steps"]
+
+    # ------------------------------------------------------------------------------ loop
+
+    def fit(
+        self,
+        train: list[Conversation],
+        held: list[Conversation],
+        deadline: float,
+        checkpoint: Path | None = None,
+    ) -> None:
+        """Train until the deadline, --total-steps, --stop-after-steps or --epochs; evaluate after each epoch
+        and at the end; checkpoint every --checkpoint-every steps and at the end."""
+        a = self.args
+        first = self.step
+        own_stop = first + a.stop_after_steps if a.stop_after_steps else 0
+        session = {"from_step": first, "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        t0 = probe = time.monotonic()
+        bar = tqdm(initial=self.step, desc="train", unit="step")
+        stopped = False
+        while self.epoch < a.epochs and not stopped:
+            order = self._batches(train, self.epoch)
+            while self.batch_index < len(order):
+                ends = [s for s in (self.total_steps, own_stop) if s > 0]
+                if time.monotonic() > deadline or (ends and self.step >= min(ends)):
+                    stopped = True
+                    break
+                self._train_step([train[i] for i in order[self.batch_index]])
+                self.batch_index += 1
+                bar.update(1)
+                if self.step - first == AUTO_PROBE_STEPS[0]:
+                    probe = time.monotonic()
+                elif self.total_steps < 0 and self.step - first == AUTO_PROBE_STEPS[1]:
+                    rate = (AUTO_PROBE_STEPS[1] - AUTO_PROBE_STEPS[0]) / (time.monotonic() - probe)
+                    self.total_steps = self.step + int(rate * max(deadline - time.monotonic(), 0))
+                    tqdm.write(f"{rate:.2f} steps/s: the schedule ends at step {self.total_steps}")
+                if checkpoint and a.checkpoint_every and self.step % a.checkpoint_every == 0:
+                    self.save(checkpoint)
+            else:
+                self.epoch, self.batch_index = self.epoch + 1, 0
+                self._evaluate_into_history(held)
+        bar.close()
+        if not self.history or self.history[-1]["step"] != self.step:
+            self._evaluate_into_history(held)
+        self.sessions.append({**session, "to_step": self.step, "seconds": round(time.monotonic() - t0, 1)})
+        if checkpoint:
+            self.save(checkpoint)
+
+    def _evaluate_into_history(self, held: list[Conversation]) -> None:
+        self.history.append({"step": self.step, "epoch": self.epoch, **self.evaluate(held)})
+        tqdm.write(json.dumps({k: v for k, v in self.history[-1].items() if k != "per_source"}))
+
+    def _batches(self, data: list[Conversation], epoch: int | None) -> list[list[int]]:
+        """Length-sorted batches of about batch_tokens padded tokens; shuffled by (seed, epoch) if given."""
+        ordered = sorted(range(len(data)), key=lambda i: len(data[i].tokens))
+        batches, current = [], []
+        for i in ordered:
+            width = min(len(data[i].tokens), self.args.max_seq_len)
+            if current and width * (len(current) + 1) > self.batch_tokens:
+                batches.append(current)
+                current = []
+            current.append(i)
+        if current:
+            batches.append(current)
+        if epoch is not None:
+            random.Random(self.args.seed * 100_003 + epoch).shuffle(batches)
+        return batches
+
+    def lr(self) -> float:
+        """Linear warm-up, then cosine to a tenth over the total steps (constant while there are none)."""
+        warm = min(1.0, (self.step + 1) / WARMUP_STEPS)
+        total = max(self.total_steps, 0)
+        progress = min(self.step / total, 1.0) if total else 0.0
+        return self.args.lr * warm * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+    def _train_step(self, batch: list[Conversation]) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.lr()
+        samples = record_features(self.engine, batch)  # Triton kernels where available, no grad
+        with torch_ops(), torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.cuda):
+            losses = self._losses(samples, noise=self.args.feature_noise)
+            self.optimizer.zero_grad(set_to_none=True)
+            losses["loss"].backward()
+        torch.nn.utils.clip_grad_norm_(list(self.params.values()), 0.5)
+        self.optimizer.step()
+        self.step += 1
+        n = float(losses["positions"])
+        self._window["n"] += n
+        for k, v in losses.items():
+            if k not in ("loss", "positions"):
+                self._window[k] += float(v) * n
+        if self.step % self.args.log_every == 0:
+            self.curve.append(
+                {
+                    "step": self.step,
+                    "epoch": self.epoch,
+                    "lr": round(self.lr(), 7),
+                    **_metrics(self._window, self.args.ttt_steps),
+                }
+            )
+            self._window = Counter()
+
+    # ------------------------------------------------------------------------------ losses
+
+    def _inputs(self, batch: list[Sample]) -> dict[str, torch.Tensor]:
+        """Head position t: token t + 1 with the feature of t; targets: feature and distribution of t + 1."""
+        dev, eagle3 = self.head.device, self.head.config.arch == "eagle3"
+        lengths = [min(len(s.tokens), self.args.max_seq_len) for s in batch]
+        B, T = len(batch), max(lengths) - 1
+        ids = torch.zeros(B, T, dtype=torch.int64)
+        feats = torch.zeros(B, T, self.head.config.feature_dim, device=dev)
+        target = torch.zeros(B, T, self.head.config.layer.hidden_size, device=dev)
+        mask = torch.zeros(B, T, dtype=torch.bool)
+        for b, (s, n) in enumerate(zip(batch, lengths, strict=True)):
+            ids[b, : n - 1] = s.tokens[1:n]
+            feats[b, : n - 1] = (s.aux if eagle3 else s.hidden)[: n - 1].float()
+            target[b, : n - 1] = s.hidden[1:n].float()
+            mask[b, max(s.prompt_len - 2, 0) : n - 1] = True  # positions that predict response tokens
+        return {"ids": ids.to(dev), "feats": feats, "target": target, "mask": mask.to(dev)}
+
+    def _losses(self, batch: list[Sample], noise: float) -> dict[str, torch.Tensor]:
+        head, x = self.head, self._inputs(batch)
+        eagle3 = head.config.arch == "eagle3"
+        feats = x["feats"]
+        if noise:
+            rms = feats.pow(2).mean(-1, keepdim=True).sqrt()
+            feats = feats + (torch.rand_like(feats) - 0.5) * 2 * noise * rms
+        with torch.no_grad():
+            target_logits = self.engine.model.lm_head(x["target"].to(self.engine.dtype)).float()
+            if eagle3:
+                target_logp = restricted_log_probs(target_logits, head.draft_to_target)
+            else:
+                target_logp = torch.log_softmax(target_logits, -1)
+            target_p = target_logp.exp()
+            target_top1 = target_logp.argmax(-1)
+        total, result = 0.0, {}
+        for j, out in enumerate(unroll(head, x["ids"], feats, self.args.ttt_steps)):
+            m = step_mask(x["mask"], j).float()
+            denom = m.sum().clamp_min(1.0)
+            logq = torch.log_softmax(head.logits(out), -1)
+            kl = (target_p * (target_logp - logq)).sum(-1)  # forward KL(p || q)
+            loss = ((kl * m).sum() / denom) * (1.0 if eagle3 else EAGLE1_TOKEN_LOSS_WEIGHT)
+            if not eagle3:
+                feature = F.smooth_l1_loss(out.float(), x["target"], reduction="none").mean(-1)
+                loss = loss + FEATURE_LOSS_WEIGHT * (feature * m).sum() / denom
+            agree = ((logq.argmax(-1) == target_top1).float() * m).sum() / denom
+            result |= {f"loss_{j + 1}": loss.detach(), f"top1_{j + 1}": agree.detach()}
+            total = total + self.args.ttt_decay**j * loss
+        result["loss"], result["positions"] = total, x["mask"].sum()
+        return result
+
+    # ------------------------------------------------------------------------------ evaluation
+
+    @torch.no_grad()
+    def evaluate(self, held: list[Conversation]) -> dict:
+        """Held-out metrics over all held-out conversations and, under "per_source", for each source."""
+        by_source: dict[str, list[Conversation]] = defaultdict(list)
+        for c in held:
+            by_source[c.source].append(c)
+        sums = {name: self._metric_sums(group) for name, group in sorted(by_source.items())}
+        total: Counter = Counter()
+        for part in sums.values():
+            total.update(part)  # update() keeps zero sums, unlike +
+        steps = self.args.ttt_steps
+        return {**_metrics(total, steps), "per_source": {n: _metrics(p, steps) for n, p in sums.items()}}
+
+    def _metric_sums(self, data: list[Conversation]) -> Counter:
+        sums: Counter = Counter()
+        for index in self._batches(data, epoch=None):
+            samples = record_features(self.engine, [data[i] for i in index])
+            with torch_ops(), torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.cuda):
+                r = self._losses(samples, noise=0.0)
+            n = float(r.pop("positions"))
+            r.pop("loss")
+            sums["n"] += n
+            for k, v in r.items():
+                sums[k] += float(v) * n
+        return sums
+
+
+def _metrics(sums: Counter, steps: int) -> dict[str, float]:
+    """Position-weighted losses and top-1 agreements per draft step, and the acceptance-length proxy
+    1 + a1 + a1 a2 + ... (k = 4 chain; a_j is step j's agreement given the earlier drafts were right)."""
+    metrics = {k: round(v / max(sums["n"], 1), 4) for k, v in sums.items() if k != "n"}
+    proxy, run = 1.0, 1.0
+    for j in range(1, PROXY_K + 1):
+        run *= metrics.get(f"top1_{min(j, steps)}", 0.0)
+        proxy += run
+    metrics["acceptance_length_proxy_k4"] = round(proxy, 3)
+    metrics["positions"] = int(sums["n"])
+    return metrics
