@@ -19,7 +19,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     grpc_common.add_server_arguments(parser, default_listen="0.0.0.0:50052")
     grpc_common.add_model_arguments(parser, dtype_of="head weights and cache")
     parser.add_argument("--head", default=env("SPECWIRE_HEAD", None),
-                        help=f"EAGLE head directory (default: the shipped {DEFAULT_HEAD.name})")
+                        help=f"EAGLE head directory (default: the shipped {DEFAULT_HEAD.name}; for a "
+                             "synthetic:NAME model, an EAGLE-1 head of its shape with random weights)")
     parser.add_argument("--max-requests", type=int, default=env("SPECWIRE_MAX_REQUESTS", 64),
                         help="requests held at once, over all verifiers (default 64)")
     parser.add_argument("--max-drafts", type=int, default=env("SPECWIRE_MAX_DRAFTS", 8),
@@ -36,32 +37,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def load_proposer(args: argparse.Namespace):
     """(proposer, target config, tokenizer fingerprint, head name) from the flags."""
-    from specwire.drafter.eagle_head import load_eagle_head  # torch loads here, once the flags are valid
+    from specwire.drafter.eagle_head import load_eagle_head, random_eagle_head  # torch loads here
     from specwire.drafter.proposer import EagleProposer
 
-    from specwire.default_model import resolve_model_path
-    from specwire.engine import default_device, default_dtype, parse_device, parse_dtype
+    from specwire.engine import device_and_dtype
     from specwire.errors import ModelLoadError
-    from specwire.tokenizer import load_tokenizer
-    from specwire.weights import load_checkpoint
+    from specwire.model_source import load_model
+    from specwire.synthetic import synthetic_shape
 
+    random_head = args.head is None and synthetic_shape(args.model) is not None
     head_path = Path(args.head) if args.head else DEFAULT_HEAD
-    if not (head_path / "config.json").is_file():
+    if not random_head and not (head_path / "config.json").is_file():
         raise ModelLoadError(f"no EAGLE head at {head_path} (train one with `specwire train-eagle` or pass "
                              "--head)")
-    model_path = resolve_model_path(args.model)
-    device = parse_device(args.device) if args.device else default_device()
-    dtype = parse_dtype(args.dtype) if args.dtype else default_dtype(device)
-    config, state_dict = load_checkpoint(model_path)
+    device, dtype = device_and_dtype(args.device, args.dtype)
     # The head shares the target's embedding and lm_head; the rest of the target is not needed here.
-    shared = {k: v for k, v in state_dict.items() if k in ("model.embed_tokens.weight", "lm_head.weight")}
-    del state_dict
-    head = load_eagle_head(head_path, config, shared, dtype=dtype, device=device,
-                           max_positions=args.max_context)
+    config, shared, tokenizer, _ = load_model(args.model, device, dtype,
+                                              names=("model.embed_tokens.weight", "lm_head.weight"))
+    if random_head:  # a synthetic target gets a head of its shape with random weights
+        head, head_name = random_eagle_head(config, shared, dtype, device, args.max_context), "synthetic"
+    else:
+        head = load_eagle_head(head_path, config, shared, dtype=dtype, device=device,
+                               max_positions=args.max_context)
+        head_name = head_path.name
+    del shared
     proposer = EagleProposer(head, max_requests=args.max_requests, max_context=args.max_context,
                              max_drafts=args.max_drafts, max_top_k=min(args.max_top_k, head.vocab_size),
                              cuda_graphs=not args.no_cuda_graphs)
-    return proposer, config, load_tokenizer(model_path).fingerprint, f"{head.config.arch}:{head_path.name}"
+    return proposer, config, tokenizer.fingerprint, f"{head.config.arch}:{head_name}"
 
 
 async def serve(args: argparse.Namespace) -> None:

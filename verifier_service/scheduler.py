@@ -31,6 +31,7 @@ from specwire.verifier.alignment import BatchDrafts, Want, batch_drafts, read_re
 from specwire.verifier.drafter_link import DrafterLink, HandshakeRefused
 
 from specwire.engine import TargetEngine
+from specwire.forced_acceptance import rates_tensor
 from specwire.metrics import VerifierMetrics
 from specwire.sampling_params import SamplingParams
 from specwire.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -119,6 +120,7 @@ class SchedulerConfig:
     default_max_tokens: int = 128
     draft_top_k: int = 16  # sampled drafts are drawn from the top-K of the head's q (and shipped sparse)
     overlap: bool = True  # alternate two halves while a drafter is connected
+    forced_acceptance: tuple[float, ...] | None = None  # benchmarks only: acceptance rate per draft position
 
 
 class _Readback:
@@ -492,6 +494,7 @@ class Scheduler:
             column([r.params.top_p for r in requests], torch.float32),
             column([r.seed for r in requests], torch.int64),
             column([len(r.tokens) for r in requests], torch.int64),
+            synthetic_acceptance=rates_tensor(self.config.forced_acceptance),
             defer_check=True,  # no wait for the device until the one copy back, which also checks
         )
         return out.token_lists()
