@@ -29,3 +29,10 @@ def load_model(
     if names is not None:
         weights = {n: weights[n] for n in names if n in weights}
     return config, weights, load_tokenizer(path), path.name
+
+
+def load_model_tokenizer(model: str | Path | None) -> Tokenizer:
+    """The tokenizer of a --model value alone (no weights loaded)."""
+    if (shape := synthetic_shape(model)) is not None:
+        return synthetic_tokenizer(synthetic_config(shape))
+    return load_tokenizer(resolve_model_path(model))
