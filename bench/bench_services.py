@@ -44,7 +44,7 @@ import time
 from pathlib import Path
 
 from gpu_busy import GpuBusy  # bench/ modules: scripts run as `python bench/<name>.py`
-from services_client import read_prompts, run_batch, summarize
+from services_client import Client, read_prompts, summarize
 from services_metrics import Delta, cache_hit_rate, round_split, scrape, wire_bytes_per_step
 from services_setups import SETUPS, Devices, Fleet, SetupUnavailable, Workload, run_transformers
 from specwire.drafter.cli import DEFAULT_HEAD
@@ -70,6 +70,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompts", default=str(DEFAULT_PROMPTS), help="JSONL prompt file")
     p.add_argument("--prompt-source", default="self_instruct",
                    help="keep rows whose 'source' starts with this ('' = all; rows without one are kept)")
+    p.add_argument("--max-prompt-bytes", type=int, default=800,
+                   help="leave out longer prompts (the synthetic tokenizer makes a token of every byte)")
     p.add_argument("--setups", type=csv(str), default=list(SETUPS), help=f"any of {', '.join(SETUPS)}")
     p.add_argument("--ks", type=csv(int), default=[4], help="k of every speculative setup")
     p.add_argument("--batch-sizes", type=csv(int), default=[1, 8, 16, 32, 64])
@@ -88,8 +90,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--aux-layers", default="none", help="verifier --aux-layers (EAGLE-1 heads read none)")
     p.add_argument("--drafter-device", default=None)
     p.add_argument("--verifier-device", default=None)
+    p.add_argument("--client-processes", type=int, default=min(8, (os.cpu_count() or 1) // 4),
+                   help="client processes a batch is spread over (default: a quarter of the CPUs, <= 8)")
     p.add_argument("--budget-seconds", type=float, default=480,
-                   help="start no configuration after this many seconds (default 480)")
+                   help="start no configuration expected to end after this many seconds (default 480)")
     p.add_argument("--out-dir", default="bench/results")
     p.add_argument("--tag", default="local", help="result files are services[_SHAPE_synthetic]_TAG.json")
     p.add_argument("--commit", default=os.environ.get("SPECWIRE_COMMIT"),
@@ -146,12 +150,12 @@ def jobs(args: argparse.Namespace, ws: list[Workload]) -> list[Job]:
     return out
 
 
-def measure(port: int, metric_ports: dict[str, int | None], gpus: list[int], prompts: list[str],
-            batches: list[int], args: argparse.Namespace) -> list[dict]:
+def measure(client: Client, port: int, metric_ports: dict[str, int | None], gpus: list[int],
+            prompts: list[str], batches: list[int], args: argparse.Namespace) -> list[dict]:
     """Rows of one running configuration: every (batch, temperature), after a short warm-up of each."""
     for batch in batches:
         for temperature in args.temperatures:
-            run_batch(port, prompts[:batch], 16, temperature, seed=0)
+            client.run_batch(port, prompts[:batch], 16, temperature, seed=0)
     rows = []
     for batch in batches:
         for temperature in args.temperatures:
@@ -160,7 +164,7 @@ def measure(port: int, metric_ports: dict[str, int | None], gpus: list[int], pro
             with GpuBusy(gpus) as busy:
                 for r in range(args.repeats):
                     chosen = [prompts[(r * batch + i) % len(prompts)] for i in range(batch)]
-                    seconds, got = run_batch(port, chosen, args.max_tokens, temperature, seed=1000 * r)
+                    seconds, got = client.run_batch(port, chosen, args.max_tokens, temperature, seed=1000 * r)
                     wall, timings = wall + seconds, timings + got
             delta = Delta(before, {name: scrape(p) for name, p in metric_ports.items()})
             rows.append({"batch": batch, "temperature": temperature, **summarize(wall, timings),
@@ -193,7 +197,8 @@ def compare(row: dict, base: dict | None, real_model: bool) -> dict:
     return out
 
 
-def run_job(fleet: Fleet, job: Job, prompts: list[str], args: argparse.Namespace) -> list[dict]:
+def run_job(fleet: Fleet, client: Client, job: Job, prompts: list[str], args: argparse.Namespace
+            ) -> list[dict]:
     w, setup, k, length, batches = job
     devices = fleet.devices
     if setup == "transformers":
@@ -204,9 +209,25 @@ def run_job(fleet: Fleet, job: Job, prompts: list[str], args: argparse.Namespace
     try:
         ports = {"verifier": fleet.metrics_port(service),
                  "drafter": fleet.metrics_port(fleet.drafters.get(w.name)) if setup == "two_gpus" else None}
-        return measure(service.port, ports, devices.gpu_indices(setup), prompts, batches, args)
+        return measure(client, service.port, ports, devices.gpu_indices(setup), prompts, batches, args)
     finally:
         fleet.stop(service)
+
+
+class Pace:
+    """How long configurations took, per batch size measured, to expect the next one's time: the same
+    workload and setup if it ran before, else the slowest setup of the workload so far, else nothing."""
+
+    def __init__(self):
+        self.rate: dict[tuple[str, str], float] = {}
+
+    def record(self, workload: str, setup: str, batches: int, seconds: float) -> None:
+        self.rate[workload, setup] = seconds / max(1, batches)
+
+    def expect(self, workload: str, setup: str, batches: int) -> float:
+        same = self.rate.get((workload, setup))
+        known = [r for (w, _), r in self.rate.items() if w == workload]
+        return batches * (same if same is not None else max(known, default=0.0))
 
 
 def machine() -> dict:
@@ -271,13 +292,15 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")  # cuda:N is NVML's GPU N (gpu_busy.py)
     started = time.monotonic()
     ws = workloads(args)
-    prompts = read_prompts(args.prompts, args.prompt_source)
+    prompts = read_prompts(args.prompts, args.prompt_source, args.max_prompt_bytes)
     header = {
         "bench": "services", "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "command": shlex.join([sys.executable, *sys.argv]) if argv is None else shlex.join(argv),
         "commit": commit(args.commit), "machine": machine(),
-        "prompts": {"file": args.prompts, "source_prefix": args.prompt_source, "count": len(prompts)},
+        "prompts": {"file": args.prompts, "source_prefix": args.prompt_source,
+                    "max_bytes": args.max_prompt_bytes, "count": len(prompts)},
         "max_tokens": args.max_tokens, "repeats": args.repeats, "max_context": args.max_context,
+        "client_processes": args.client_processes,
         "devices": {"drafter": args.drafter_device, "verifier": args.verifier_device},
     }
     plan = jobs(args, ws)
@@ -288,17 +311,20 @@ def main(argv: list[str] | None = None) -> int:
     skipped: dict[str, list[dict]] = {w.name: [] for w in ws}
     unavailable: dict[str, str] = {}  # setup -> why the services refused it
     print(f"{len(plan)} configurations; service logs in {fleet.logs}", flush=True)
+    client, pace = Client(args.client_processes), Pace()
     try:
         for job in plan:
             w, setup, k, length, batches = job
             where = {"setup": setup, "k": k, "forced_acceptance_length": length}
             reason = unavailable.get(setup)
-            if reason is None and time.monotonic() - started > args.budget_seconds:
-                reason = f"over the {args.budget_seconds:.0f} s budget"
+            elapsed, expected = time.monotonic() - started, pace.expect(w.name, setup, len(batches))
+            if reason is None and elapsed + expected > args.budget_seconds:
+                reason = f"budget: {args.budget_seconds:.0f} s, at {elapsed:.0f} s, expected {expected:.0f} s"
             if reason is None:
-                print(f"[{time.monotonic() - started:6.1f} s] {w.name}: {setup} k={k} L={length}", flush=True)
+                print(f"[{elapsed:6.1f} s] {w.name}: {setup} k={k} L={length}", flush=True)
                 try:
-                    rows[w.name] += [{**where, **r} for r in run_job(fleet, job, prompts, args)]
+                    rows[w.name] += [{**where, **r} for r in run_job(fleet, client, job, prompts, args)]
+                    pace.record(w.name, setup, len(batches), time.monotonic() - started - elapsed)
                 except SetupUnavailable as e:
                     unavailable[setup] = reason = str(e)
                 except (RuntimeError, ValueError, subprocess.SubprocessError) as e:
@@ -313,6 +339,7 @@ def main(argv: list[str] | None = None) -> int:
                 path.write_text(json.dumps(result, indent=1) + "\n")
     finally:
         fleet.close()
+        client.close()
     for w in ws:
         print_table(f"{w.name} ({out_file(args, w)})", report(w, rows[w.name], [], header)["results"])
     print(f"\n{time.monotonic() - started:.0f} s; service logs in {fleet.logs}")
