@@ -8,8 +8,8 @@ forced mean acceptance lengths; at several batch sizes, temperatures and k.
 
 writes services_h200x2.json (SmolLM2) and services_8b_synthetic_h200x2.json (the synthetic 8B shape); see
 bench/README.md for the device command, bench/plot_services.py for the plots. Every point sends `batch`
-requests at once (fixed length: ignore_eos; seeded, so sampled output is comparable too), `--repeats` times,
-and reads:
+requests at once (fixed length: ignore_eos; unseeded, since the verifier asks seeded requests for greedy
+drafts and users rarely seed), `--repeats` times, and reads:
 
 - from the client's stream (bench/services_client.py): tokens/s (all tokens / wall time of the batches),
   TTFT, inter-chunk latency and TPOT percentiles, mean acceptance length (from the requests' usage);
@@ -18,7 +18,7 @@ and reads:
 - each GPU's busy share (bench/gpu_busy.py).
 
 Per speculative point, against the target-only point of the same batch and temperature in the same run:
-`speedup` (tokens/s ratio), `output_equal_rate` (real models: outputs identical token for token), and the
+`speedup` (tokens/s ratio), `output_equal_rate` (real models, greedy: outputs identical token for token), the
 ideal speedup `ideal_speedup` = tau * t_target / t_verify, measured as (decode tokens per second of verify-
 step time) / (decode tokens per second of target-only step time): tau is the mean acceptance length, and the
 two step times are the verifiers' own specwire_verify_step_seconds (engine thread: forward, sampling,
@@ -155,7 +155,7 @@ def measure(client: Client, port: int, metric_ports: dict[str, int | None], gpus
     """Rows of one running configuration: every (batch, temperature), after a short warm-up of each."""
     for batch in batches:
         for temperature in args.temperatures:
-            client.run_batch(port, prompts[:batch], 16, temperature, seed=0)
+            client.run_batch(port, prompts[:batch], 16, temperature)
     rows = []
     for batch in batches:
         for temperature in args.temperatures:
@@ -164,7 +164,7 @@ def measure(client: Client, port: int, metric_ports: dict[str, int | None], gpus
             with GpuBusy(gpus) as busy:
                 for r in range(args.repeats):
                     chosen = [prompts[(r * batch + i) % len(prompts)] for i in range(batch)]
-                    seconds, got = client.run_batch(port, chosen, args.max_tokens, temperature, seed=1000 * r)
+                    seconds, got = client.run_batch(port, chosen, args.max_tokens, temperature)
                     wall, timings = wall + seconds, timings + got
             delta = Delta(before, {name: scrape(p) for name, p in metric_ports.items()})
             rows.append({"batch": batch, "temperature": temperature, **summarize(wall, timings),
@@ -184,7 +184,7 @@ def compare(row: dict, base: dict | None, real_model: bool) -> dict:
     out = {"speedup": row["tokens_per_s"] / base["tokens_per_s"]}
     if row["setup"] == "transformers":
         return out
-    if real_model:
+    if real_model and row["temperature"] == 0:
         same = sum(a == b for a, b in zip(row["_outputs"], base["_outputs"], strict=True))
         out["output_equal_rate"] = same / len(row["_outputs"])
     steps, base_steps = row["round_ms"]["steps"], base["round_ms"]["steps"]

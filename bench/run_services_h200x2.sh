@@ -30,6 +30,9 @@ python3 bench/bench_services.py --model "$M/smol.gguf" --drafter-device cuda:0 -
     --out-dir "$OUT" --tag h200x2 --budget-seconds "${BUDGET:-500}" "$@" 2>&1 | tee "$OUT/bench.log"
 status=${PIPESTATUS[0]}
 python3 bench/plot_services.py "$OUT"/services_*.json 2>&1 | tee -a "$OUT/bench.log"
+for f in "$OUT"/services_*.json; do
+    for t in 0 1; do python3 bench/services_table.py "$f" --temperature $t; echo; done
+done 2>&1 | tee -a "$OUT/bench.log"
 logs=$(ls -dt /tmp/specwire-bench-* 2>/dev/null | head -1)
 [ -n "$logs" ] && tar -czf "$OUT/service_logs.tar.gz" -C "$(dirname "$logs")" "$(basename "$logs")"
 exit "$status"
