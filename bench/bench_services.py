@@ -327,8 +327,8 @@ def main(argv: list[str] | None = None) -> int:
                     pace.record(w.name, setup, len(batches), time.monotonic() - started - elapsed)
                 except SetupUnavailable as e:
                     unavailable[setup] = reason = str(e)
-                except (RuntimeError, ValueError, subprocess.SubprocessError) as e:
-                    reason = f"failed: {type(e).__name__}: {e}"
+                except Exception as e:  # recorded with the run; the other configurations go on
+                    reason = f"failed: {type(e).__name__}: {' '.join(str(e).split())[:500]}"
             if reason is not None:
                 print(f"  skipped {w.name} {setup} k={k} L={length}: {reason}", flush=True)
                 skipped[w.name].append({**where, "batches": batches, "reason": reason})

@@ -59,7 +59,7 @@ class Fleet:
     """The processes of one bench run: drafters kept per workload, verifiers started per configuration."""
 
     def __init__(self, devices: Devices, max_batch: int, max_k: int, max_context: int, aux_layers: str,
-                 startup_timeout: float = 600):
+                 startup_timeout: float = 240):
         self.devices, self.max_batch, self.max_k = devices, max_batch, max_k
         self.max_context, self.aux_layers, self.timeout = max_context, aux_layers, startup_timeout
         self.logs = Path(tempfile.mkdtemp(prefix="specwire-bench-"))
@@ -104,6 +104,7 @@ class Fleet:
             argv += ["--forced-acceptance-length", str(length)]
         service = self._start(f"verifier-{w.name}-{setup}-k{k}-L{length}", argv)
         if setup == "two_gpus" and not wait_drafter_connected(service.port, 120):
+            self.stop(service)
             raise RuntimeError(f"the verifier never connected to the drafter (logs: {self.logs})")
         return service
 

@@ -1,7 +1,9 @@
 """Synthetic models (`--model synthetic:NAME`) and forced acceptance (`--forced-acceptance-length`): the
 benchmark mode that runs both services at a real model's shapes with a chosen mean acceptance length."""
 
+import json
 import math
+import re
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -10,11 +12,19 @@ import pytest
 import torch
 from specwire.kernels.rejection_sampler import rejection_sample
 
+from specwire.cli import main
 from specwire.commands.demo import Totals, start, stop, stream, wait_drafter_connected, wait_serving
 from specwire.errors import ModelLoadError
 from specwire.forced_acceptance import forced_rate, forced_rates, mean_acceptance_length, rates_tensor
 from specwire.model_source import load_model
-from specwire.synthetic import EOS_ID, SHAPES, synthetic_config, synthetic_shape, synthetic_tokenizer
+from specwire.synthetic import (
+    EOS_ID,
+    SHAPES,
+    synthetic_config,
+    synthetic_shape,
+    synthetic_tokenizer,
+    synthetic_weights,
+)
 
 CPU = torch.device("cpu")
 
@@ -119,3 +129,31 @@ def test_both_services_on_a_synthetic_model_accept_at_the_forced_length():
     # ~370 rounds; tokens per round have a standard deviation of about 1.1 (0.06 over the mean), and the last
     # round of a request may be cut short by max_tokens.
     assert drafts > 250 and abs(1 + accepted / drafts - length) < 0.3, (drafts, accepted)
+
+
+def test_generate_runs_a_synthetic_model(capsys):
+    assert main(["generate", "--model", "synthetic:tiny", "--device", "cpu", "--prompt", "Hi", "--chat",
+                 "--max-tokens", "5", "--ignore-eos", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["stats"]["tokens"] == 5 and all(0 <= t < SHAPES["tiny"].vocab_size for t in out["token_ids"])
+
+
+@pytest.mark.parametrize(("k", "length", "message"), [(0, "2", "k >= 1"), (2, "3.5", r"\[1, 3\]")])
+def test_the_verifier_refuses_an_impossible_forced_length(capsys, k, length, message):
+    argv = ["verifier", "--model", "synthetic:tiny", "--device", "cpu", "--listen", "127.0.0.1:0",
+            "--k", str(k), "--forced-acceptance-length", length]
+    assert main(argv) == 2
+    assert re.search(message, capsys.readouterr().err)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_every_gpu_builds_the_same_shared_8b_tensors():
+    """What the drafter (one GPU) and the verifier (another) share: the 8B shape's embedding and lm_head."""
+    config = synthetic_config("llama-3.1-8b")
+    names = ["model.embed_tokens.weight", "lm_head.weight"]
+    first = synthetic_weights(config, torch.device("cuda:0"), torch.bfloat16, names)
+    for index in range(1, torch.cuda.device_count()):
+        other = synthetic_weights(config, torch.device(f"cuda:{index}"), torch.bfloat16, names)
+        assert all(torch.equal(first[n], other[n].to("cuda:0")) for n in names)
+    assert abs(float(first["lm_head.weight"].float().std()) - 0.02) < 1e-3
