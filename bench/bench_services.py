@@ -67,6 +67,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--synthetic-shape", default="llama-3.1-8b", help="the synthetic workload's shape")
     p.add_argument("--lengths", type=csv(float), default=[3.0, 2.0, 4.0],
                    help="forced mean acceptance lengths of the synthetic workload, first = first measured")
+    p.add_argument("--verifier-args", default="",
+                   help="more flags for the smollm2 workload's speculative verifiers ('--cache-branches 0')")
+    p.add_argument("--synthetic-verifier-args", default="--cache-branches 0",
+                   help="more flags for the synthetic workload's speculative verifiers (default: serial "
+                        "drafting: a random head's speculation-cache lookups all miss; once the verifier has "
+                        "--forced-hit-rate, pass e.g. '--forced-hit-rate 0.8')")
     p.add_argument("--prompts", default=str(DEFAULT_PROMPTS), help="JSONL prompt file")
     p.add_argument("--prompt-source", default="self_instruct",
                    help="keep rows whose 'source' starts with this ('' = all; rows without one are kept)")
@@ -108,10 +114,12 @@ def workloads(args: argparse.Namespace) -> list[Workload]:
     out = []
     for name in args.workloads:
         if name == "smollm2":
-            out.append(Workload("smollm2", str(resolve_model_path(args.model)), args.head, (None,)))
+            out.append(Workload("smollm2", str(resolve_model_path(args.model)), args.head, (None,),
+                                tuple(shlex.split(args.verifier_args))))
         elif name == "synthetic":
             shape = args.synthetic_shape
-            out.append(Workload(f"synthetic-{shape}", f"synthetic:{shape}", None, tuple(args.lengths)))
+            out.append(Workload(f"synthetic-{shape}", f"synthetic:{shape}", None, tuple(args.lengths),
+                                tuple(shlex.split(args.synthetic_verifier_args))))
         else:
             raise SystemExit(f"unknown workload {name!r} (smollm2, synthetic)")
     return out
@@ -265,6 +273,7 @@ def report(w: Workload, rows: list[dict], skipped: list[dict], header: dict) -> 
     head = w.head or ("random EAGLE-1 (synthetic)" if w.synthetic else "default")
     lengths = list(w.lengths) if w.synthetic else None
     return {**header, "workload": w.name, "model": w.model, "head": head,
+            "verifier_args": list(w.verifier_args),
             "forced_acceptance_lengths": lengths, "results": results, "skipped": skipped}
 
 

@@ -33,6 +33,7 @@ class Workload:
     model: str  # a path or synthetic:NAME
     head: str | None  # None: the drafter's default (the shipped head, or a random one for synthetic models)
     lengths: tuple[float | None, ...]  # forced mean acceptance lengths (None: the head's own acceptance)
+    verifier_args: tuple[str, ...] = ()  # appended to every speculative verifier's command line
 
     @property
     def synthetic(self) -> bool:
@@ -100,8 +101,9 @@ class Fleet:
         elif setup == "colocated":
             argv += ["--colocated", *(["--head", w.head] if w.head else []),
                      *(["--drafter-device", self.devices.verifier] if self.devices.verifier else [])]
-        if length is not None and setup != "target_only":
-            argv += ["--forced-acceptance-length", str(length)]
+        if setup != "target_only":
+            argv += [*(["--forced-acceptance-length", str(length)] if length is not None else []),
+                     *w.verifier_args]
         service = self._start(f"verifier-{w.name}-{setup}-k{k}-L{length}", argv)
         if setup == "two_gpus" and not wait_drafter_connected(service.port, 120):
             self.stop(service)

@@ -18,53 +18,72 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     env = grpc_common.env_default
     grpc_common.add_server_arguments(parser, default_listen="0.0.0.0:50052")
     grpc_common.add_model_arguments(parser, dtype_of="head weights and cache")
-    parser.add_argument("--head", default=env("SPECWIRE_HEAD", None),
-                        help=f"EAGLE head directory (default: the shipped {DEFAULT_HEAD.name}; for a "
-                             "synthetic:NAME model, an EAGLE-1 head of its shape with random weights)")
-    parser.add_argument("--max-requests", type=int, default=env("SPECWIRE_MAX_REQUESTS", 64),
-                        help="requests held at once, over all verifiers (default 64)")
-    parser.add_argument("--max-drafts", type=int, default=env("SPECWIRE_MAX_DRAFTS", 8),
-                        help="most draft tokens per request per step (default 8)")
-    parser.add_argument("--max-top-k", type=int, default=env("SPECWIRE_MAX_TOP_K", 64),
-                        help="widest top-K of sampled drafts (default 64)")
-    parser.add_argument("--max-context", type=int, default=env("SPECWIRE_MAX_CONTEXT", 2048),
-                        help="head KV-cache positions per request (default 2048)")
+    add_proposer_arguments(parser)
     parser.add_argument("--no-cuda-graphs", action="store_true", help="draft eagerly")
     parser.add_argument("--metrics-port", type=int, default=env("SPECWIRE_METRICS_PORT", None),
                         help="serve Prometheus /metrics on this port (env SPECWIRE_METRICS_PORT)")
     grpc_common.add_logging_arguments(parser)
 
 
+def add_proposer_arguments(parser: argparse.ArgumentParser) -> None:
+    """The head and the proposer's sizes (the co-located verifier takes them too)."""
+    env = grpc_common.env_default
+    parser.add_argument("--head", default=env("SPECWIRE_HEAD", None),
+                        help="EAGLE head directory, or 'random' (random weights of the target's shape; the "
+                             f"default for synthetic:NAME models, else the shipped {DEFAULT_HEAD.name})")
+    parser.add_argument("--max-requests", type=int, default=env("SPECWIRE_MAX_REQUESTS", 64),
+                        help="requests held at once, over all verifiers (default 64)")
+    parser.add_argument("--max-drafts", type=int, default=env("SPECWIRE_MAX_DRAFTS", 8),
+                        help="most draft tokens per request per step (default 8)")
+    parser.add_argument("--max-branches", type=int, default=env("SPECWIRE_MAX_BRANCHES", 8),
+                        help="most branches per request of a speculation-cache table; each holds a KV "
+                             "slot (default 8; 0 = drafts only for settled tokens)")
+    parser.add_argument("--max-top-k", type=int, default=env("SPECWIRE_MAX_TOP_K", 64),
+                        help="widest top-K of sampled drafts (default 64)")
+    parser.add_argument("--max-context", type=int, default=env("SPECWIRE_MAX_CONTEXT", 2048),
+                        help="head KV-cache positions per request (default 2048)")
+
+
 def load_proposer(args: argparse.Namespace):
     """(proposer, target config, tokenizer fingerprint, head name) from the flags."""
-    from specwire.drafter.eagle_head import load_eagle_head, random_eagle_head  # torch loads here
+    from specwire.engine import device_and_dtype  # torch loads here, once the flags are valid
+    from specwire.model_source import load_model
+    from specwire.synthetic import head_or_random
+
+    device, dtype = device_and_dtype(args.device, args.dtype)
+    config, shared, tokenizer, _ = load_model(args.model, device, dtype,  # only what the head shares
+                                              names=("model.embed_tokens.weight", "lm_head.weight"))
+    args.head = head_or_random(args.model, args.head)
+    proposer, head = build_proposer(args, config, shared)
+    return proposer, config, tokenizer.fingerprint, head
+
+
+def build_proposer(args: argparse.Namespace, config, target_weights: dict):
+    """(EagleProposer, head name) on the target's shared tensors, sized by args.head, .device, .dtype,
+    .no_cuda_graphs and the --max-* flags of add_proposer_arguments."""
+    from specwire.drafter.eagle_head import load_eagle_head, random_eagle_head
     from specwire.drafter.proposer import EagleProposer
 
     from specwire.engine import device_and_dtype
     from specwire.errors import ModelLoadError
-    from specwire.model_source import load_model
-    from specwire.synthetic import synthetic_shape
+    from specwire.synthetic import RANDOM_HEAD
 
-    random_head = args.head is None and synthetic_shape(args.model) is not None
     head_path = Path(args.head) if args.head else DEFAULT_HEAD
-    if not random_head and not (head_path / "config.json").is_file():
+    if args.head != RANDOM_HEAD and not (head_path / "config.json").is_file():
         raise ModelLoadError(f"no EAGLE head at {head_path} (train one with `specwire train-eagle` or pass "
                              "--head)")
     device, dtype = device_and_dtype(args.device, args.dtype)
     # The head shares the target's embedding and lm_head; the rest of the target is not needed here.
-    config, shared, tokenizer, _ = load_model(args.model, device, dtype,
-                                              names=("model.embed_tokens.weight", "lm_head.weight"))
-    if random_head:  # a synthetic target gets a head of its shape with random weights
-        head, head_name = random_eagle_head(config, shared, dtype, device, args.max_context), "synthetic"
+    shared = {k: v for k, v in target_weights.items() if k in ("model.embed_tokens.weight", "lm_head.weight")}
+    if args.head == RANDOM_HEAD:
+        head = random_eagle_head(config, shared, dtype, device, args.max_context)
     else:
         head = load_eagle_head(head_path, config, shared, dtype=dtype, device=device,
                                max_positions=args.max_context)
-        head_name = head_path.name
-    del shared
     proposer = EagleProposer(head, max_requests=args.max_requests, max_context=args.max_context,
                              max_drafts=args.max_drafts, max_top_k=min(args.max_top_k, head.vocab_size),
-                             cuda_graphs=not args.no_cuda_graphs)
-    return proposer, config, tokenizer.fingerprint, f"{head.config.arch}:{head_name}"
+                             cuda_graphs=not args.no_cuda_graphs, max_branches=args.max_branches)
+    return proposer, f"{head.config.arch}:{head_path.name}"
 
 
 async def serve(args: argparse.Namespace) -> None:

@@ -14,6 +14,7 @@ float32 buffers owned here and written by replay.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -30,10 +31,30 @@ class ProposerError(ValueError):
     """Bad input to the proposer (unknown request, wrong shapes, out of capacity)."""
 
 
+class Branch(NamedTuple):
+    """One entry of a speculation-cache table: drafts for the outcome "the verification in flight accepts
+    `accepted` drafts and the target adds `bonus`" (target ids; q as in Proposal, rows of this branch)."""
+
+    index: int
+    accepted: int
+    bonus: int
+    token_ids: list[int]
+    q_indices: torch.Tensor | None  # [k, K] int64 target ids, -1 = unused slot; None for greedy drafts
+    q_values: torch.Tensor | None  # [k, K] float32
+
+
 class Proposal(NamedTuple):
     token_ids: torch.Tensor  # [sum k_b] int64 (target ids), rows in the order of propose's request_ids
     num_drafts: torch.Tensor  # [B] int32 on the CPU; below the asked k near the end of the context
     probs: DraftProbs | None  # None when every row is greedy; sparse when every sampled row is top-K
+
+
+@dataclass
+class _Branch:
+    slot: int  # holds the main slot's prefix, the branch's bonus and its drafts (own-feature K/V)
+    accepted: int
+    bonus: int
+    token_ids: list[int]
 
 
 @dataclass
@@ -42,6 +63,8 @@ class _Request:
     num_cached: int = 0  # pairs whose K/V are committed in the head's cache
     pending_tokens: list[int] = field(default_factory=list)
     pending_features: list[torch.Tensor] = field(default_factory=list)
+    branches: list[_Branch] = field(default_factory=list)  # the last table drafted for this request
+    verifying: list[int] = field(default_factory=list)  # drafts (target ids) the verifier checks now
 
     @property
     def num_pending(self) -> int:
@@ -66,18 +89,23 @@ class EagleProposer:
         max_drafts: int = 4,
         max_top_k: int = 64,
         cuda_graphs: bool = True,
+        max_branches: int = 0,
     ):
-        """cuda_graphs=False forces eager execution on CUDA; CPU always runs eagerly."""
+        """cuda_graphs=False forces eager execution on CUDA; CPU always runs eagerly. max_branches: entries
+        per request of a speculation-cache table (draft_branches); each takes a KV slot of its own."""
         if max_drafts < 1:
             raise ProposerError(f"max_drafts must be >= 1, got {max_drafts}")
         if not 1 <= max_top_k <= head.vocab_size:
             raise ProposerError(f"max_top_k must be in [1, {head.vocab_size}], got {max_top_k}")
+        if not 0 <= max_branches <= head.vocab_size:
+            raise ProposerError(f"max_branches must be in [0, {head.vocab_size}], got {max_branches}")
         self.head, self.device = head, head.device
         self.max_requests, self.max_context, self.max_drafts = max_requests, max_context, max_drafts
-        self.max_top_k = max_top_k
-        self.cache = KVCache.allocate(head.config.layer, max_requests, max_context, head.dtype, self.device)
+        self.max_top_k, self.max_branches = max_top_k, max_branches
+        num_slots = max_requests * (1 + max_branches)
+        self.cache = KVCache.allocate(head.config.layer, num_slots, max_context, head.dtype, self.device)
         self.requests: dict[str, _Request] = {}
-        self._free_slots = list(range(max_requests - 1, -1, -1))
+        self._free_slots = list(range(num_slots - 1, -1, -1))
 
         n, T, K, dev = max_requests, max_drafts + 1, max_drafts, self.device
         self._T = T
@@ -91,6 +119,8 @@ class EagleProposer:
         self._top_q = torch.zeros(n, K, max_top_k, dtype=torch.float32, device=dev)
         self._full_q = torch.zeros(n, K, head.vocab_size, dtype=torch.float32, device=dev)
         self._meta[self._SLOT] = self.cache.trash_slot
+        if max_branches:
+            self._init_branch_buffers()
 
         self.graphs: dict[tuple[int, str], torch.cuda.CUDAGraph] = {}
         self.graph_sizes = graph_batch_sizes(max_requests) if cuda_graphs and dev.type == "cuda" else []
@@ -105,7 +135,7 @@ class EagleProposer:
         but the last token ([len(token_ids) - 1, feature_dim])."""
         if request_id in self.requests:
             raise ProposerError(f"request {request_id!r} already exists")
-        if not self._free_slots:
+        if len(self.requests) >= self.max_requests:
             raise ProposerError(f"all {self.max_requests} drafter slots are in use")
         if len(token_ids) < 2:
             raise ProposerError(f"request {request_id!r} needs at least 2 tokens, got {len(token_ids)}")
@@ -121,7 +151,9 @@ class EagleProposer:
         self._append(request_id, self._get(request_id), accepted_token_ids, features)
 
     def free(self, request_id: str) -> None:
-        self._free_slots.append(self._get(request_id).slot)
+        request = self._get(request_id)
+        self._release_branches(request)
+        self._free_slots.append(request.slot)
         del self.requests[request_id]
 
     def _get(self, request_id: str) -> _Request:
@@ -286,18 +318,238 @@ class EagleProposer:
 
     @on_own_device
     def _capture(self) -> None:
-        """One graph per (padded batch size, sampling mode); all share one memory pool."""
+        """One graph per (padded batch size, sampling mode) of each loop; all share one memory pool.
+        Branch-table graphs ("branch_greedy", "branch_top_k") exist when max_branches > 0."""
         pool = None
-        for mode in ("greedy", "top_k", "full"):
-            self._draft_loop(self.graph_sizes[-1], mode)  # warm-up: compiles the Triton kernels; rows padding
+        loops = [(mode, functools.partial(self._draft_loop, mode=mode))
+                 for mode in ("greedy", "top_k", "full")]
+        if self.max_branches:
+            loops += [(f"branch_{mode}", functools.partial(self._branch_loop, mode=mode))
+                      for mode in ("greedy", "top_k")]
+        for name, loop in loops:
+            loop(self.graph_sizes[-1])  # warm-up: compiles the Triton kernels; rows padding
             torch.cuda.synchronize()
             for size in reversed(self.graph_sizes):  # largest first, so smaller graphs reuse its memory
                 graph = torch.cuda.CUDAGraph()
                 with capture(graph, pool):
-                    self._draft_loop(size, mode)
+                    loop(size)
                 pool = graph.pool()
-                self.graphs[size, mode] = graph
+                self.graphs[size, name] = graph
         torch.cuda.synchronize()
+
+    # ------------------------------------------------------------------------------------ branch tables
+
+    def _init_branch_buffers(self) -> None:
+        """Per-slot state a branch leaves for the round after it is hit, and the branch loop's outputs."""
+        n, N, K, dev = self.max_requests, self.max_branches, self.max_drafts, self.device
+        slots = self.cache.num_slots + 1
+        H = self.head.config.layer.hidden_size
+        # Per slot: the head's outputs after feeding each draft (they score the next table), and the drafts'
+        # draft-vocabulary ids (the bonus after rejecting draft j is not draft j).
+        self._slot_hidden = torch.zeros(slots, K, H, dtype=self.head.dtype, device=dev)
+        self._slot_draft_ids = torch.zeros(slots, K, dtype=torch.int64, device=dev)
+        self._num_verifying = torch.zeros(n, dtype=torch.int64, device=dev)
+        self._branch_slots = torch.full((n, N), self.cache.trash_slot, dtype=torch.int64, device=dev)
+        rows = n * N
+        self._br_accepted = torch.zeros(rows, dtype=torch.int64, device=dev)
+        self._br_bonus = torch.zeros(rows, dtype=torch.int64, device=dev)
+        self._br_score = torch.zeros(rows, dtype=torch.float32, device=dev)
+        self._br_tokens = torch.zeros(rows, K, dtype=torch.int64, device=dev)
+        self._br_top_idx = torch.zeros(rows, K, self.max_top_k, dtype=torch.int64, device=dev)
+        self._br_top_q = torch.zeros(rows, K, self.max_top_k, dtype=torch.float32, device=dev)
+
+    def _release_branches(self, request: _Request, keep: _Branch | None = None) -> None:
+        self._free_slots += [b.slot for b in request.branches if b is not keep]
+        request.branches = []
+
+    @staticmethod
+    def _check_branch(request_id: str, request: _Request, index: int | None) -> None:
+        """Branch `index` of the request's last table exists and its outcome is what settled."""
+        if index is None:
+            return
+        if not 0 <= index < len(request.branches):
+            raise ProposerError(f"request {request_id!r}: no branch {index} in its last table "
+                                f"({len(request.branches)} branches)")
+        branch = request.branches[index]
+        settled = request.verifying[:branch.accepted] + [branch.bonus]
+        if request.pending_tokens != settled:
+            raise ProposerError(f"request {request_id!r}: settled tokens {request.pending_tokens} do not "
+                                f"match branch {index} ({settled})")
+
+    def _take_branch(self, request: _Request, index: int | None) -> None:
+        """The verifier now checks branch `index` of the request's last table (None: no drafts). Its slot
+        becomes the request's: the prefix there is the main slot's, and its drafts' K/V are already in."""
+        if index is None:
+            self._release_branches(request)
+            request.verifying = []
+            return
+        branch = request.branches[index]
+        self._release_branches(request, keep=branch)
+        self._free_slots.append(request.slot)
+        request.slot, request.verifying = branch.slot, branch.token_ids
+
+    @torch.no_grad()
+    @on_own_device
+    def draft_branches(
+        self,
+        request_ids: list[str],
+        verifying: list[int | None],
+        num_branches: list[int],
+        num_drafts: list[int],
+        temperature: list[float],
+        top_k: list[int],
+    ) -> list[list[Branch]]:
+        """A speculation-cache table per request, drafted while the verifier checks its drafts.
+
+        verifying[b]: which branch of request b's previous table the verifier checks now (None: it checks
+        no drafts). The request's pending tokens must be what settled the round before (for a branch: its
+        accepted drafts and its bonus). First those are committed with the target's features (the K/V built
+        from the head's own features are overwritten), then the outcomes of the check in flight, (a accepted,
+        bonus c), are scored by the head: P(a) * q(c) with P(a) the product of q over the accepted drafts
+        and c never the rejected draft. The num_branches[b] likeliest get num_drafts[b] drafts each, in
+        slots of their own, sampled as propose() samples (greedy, or top-K with the exact q shipped).
+        """
+        B = len(request_ids)
+        if not self.max_branches:
+            raise ProposerError("this drafter was built without branch slots (max_branches = 0)")
+        if not len(verifying) == len(num_branches) == len(num_drafts) == len(temperature) == len(top_k) == B:
+            raise ProposerError("every argument of draft_branches needs one entry per request")
+        if len(set(request_ids)) != B:
+            raise ProposerError("request_ids has duplicates")
+        requests = [self._get(r) for r in request_ids]
+        for rid, req, n, k, t, tk in zip(request_ids, requests, num_branches, num_drafts, temperature, top_k,
+                                          strict=True):
+            if not 0 <= n <= self.max_branches:
+                raise ProposerError(f"num_branches {n} for {rid!r} out of range [0, {self.max_branches}]")
+            if not 0 <= k <= self.max_drafts:
+                raise ProposerError(f"num_drafts {k} for {rid!r} out of range [0, {self.max_drafts}]")
+            if not (t >= 0 and 0 <= tk <= self.max_top_k and (t == 0 or tk > 0)):
+                raise ProposerError(f"request {rid!r}: branch drafts are greedy or top-K sampled "
+                                    f"(temperature {t}, top_k {tk}; top_k in [1, {self.max_top_k}])")
+            if req.num_pending == 0:
+                raise ProposerError(f"request {rid!r} has no settled tokens since its last table")
+        for rid, req, index in zip(request_ids, requests, verifying, strict=True):
+            self._check_branch(rid, req, index)
+        for req, index in zip(requests, verifying, strict=True):  # only once all are known to be good
+            self._take_branch(req, index)
+        if B == 0:
+            return []
+        self._prefill_overflow(requests)
+        # Branch (j, c) feeds c at position cached + pending + j and its drafts after it: clip at the context.
+        ks = [max(0, min(k, self.max_context - 1 - r.num_cached - r.num_pending - len(r.verifying)))
+              for r, k in zip(requests, num_drafts, strict=True)]
+        counts = [n if k > 0 else 0 for n, k in zip(num_branches, ks, strict=True)]
+        size = next((s for s in self.graph_sizes if s >= B), B)
+        self._load_batch(requests, ks, temperature, top_k, size)
+        N, trash = self.max_branches, self.cache.trash_slot
+        slots = [[self._free_slots.pop() if i < n else trash for i in range(N)] for n in counts]
+        slots += [[trash] * N] * (size - B)
+        self._branch_slots[:size].copy_(torch.tensor(slots), non_blocking=True)
+        verifying_counts = [len(r.verifying) for r in requests] + [0] * (size - B)
+        self._num_verifying[:size].copy_(torch.tensor(verifying_counts), non_blocking=True)
+        mode = "branch_greedy" if all(t == 0 for t in temperature) else "branch_top_k"
+        if (size, mode) in self.graphs:
+            self.graphs[size, mode].replay()
+        else:  # eager: copy only the prefix any branch can see
+            longest = max(r.num_cached + r.num_pending + len(r.verifying) for r in requests)
+            self._branch_loop(size, mode.removeprefix("branch_"), copy_len=longest)
+        for r in requests:
+            r.num_cached += r.num_pending
+            r.pending_tokens, r.pending_features = [], []
+        return self._branch_tables(requests, slots, counts, ks, temperature)
+
+    def _branch_loop(self, size: int, mode: str, copy_len: int | None = None) -> None:
+        """The branch-table graph body: commit the pending pairs, score the outcomes, copy each chosen
+        branch's prefix into its slot, then feed its bonus and draft (max_drafts + 1 single-token steps: the
+        last only leaves the head's output after the last draft, for the next table's scores)."""
+        head, meta, N, K, T = self.head, self._meta[:, :size], self.max_branches, self.max_drafts, self._T
+        slots, start, pending, drafts, top_k = (meta[i] for i in range(5))
+        kc, vc = self.cache.k[0], self.cache.v[0]
+        out = head(self._input_ids[:size], self._features[:size], start, pending, slots, kc, vc)
+        last = torch.arange(size, device=self.device) * T + (pending.long() - 1).clamp_min(0)
+        committed = out.flatten(0, 1).index_select(0, last)
+        # Outcome a = j: the next token is predicted by the committed output (j = 0) or by the head's output
+        # after verifying draft j (kept in the slot by the branch that drafted them).
+        slots = slots.long()
+        hidden = torch.cat([committed[:, None], self._slot_hidden.index_select(0, slots)], 1)  # [n, K+1, H]
+        temperature = self._temperature[:size]
+        inv_t = torch.where(temperature > 0, 1.0 / temperature.clamp_min(1e-6), 1.0)
+        q = torch.softmax(head.logits(hidden) * inv_t[:, None, None], -1)
+        drafted = self._slot_draft_ids.index_select(0, slots)  # [n, K]
+        checked = torch.arange(K, device=self.device) < self._num_verifying[:size, None]
+        q_drafted = q[:, :K].gather(2, drafted[..., None])[..., 0]
+        reach = torch.cumprod(torch.where(checked, q_drafted, 0.0), 1)
+        reach = torch.cat([torch.ones_like(reach[:, :1]), reach], 1)  # P(the first j drafts are accepted)
+        q[:, :K].scatter_(2, drafted[..., None], torch.where(checked, 0.0, q_drafted)[..., None])
+        score, flat = (reach[..., None] * q).flatten(1).topk(N, dim=1)  # [n, N]
+        V = q.shape[-1]
+        accepted, bonus = (flat // V).flatten(), (flat % V).flatten()
+
+        rows = size * N
+        branch_slots = self._branch_slots[:size].flatten()
+        owner = torch.arange(size, device=self.device).repeat_interleave(N)
+        main = slots.index_select(0, owner)
+        for cache in (kc, vc):
+            view = cache if copy_len is None else cache[:, :, :copy_len]
+            view.index_copy_(0, branch_slots, view.index_select(0, main))
+        position = ((start + pending).index_select(0, owner) + accepted).int()
+        k_row = drafts.index_select(0, owner)
+        head_slots = branch_slots.int()
+        feature = hidden.flatten(0, 1).index_select(0, owner * (K + 1) + accepted)
+        to_target = head.draft_to_target
+        token = bonus if to_target is None else to_target[bonus]
+        row_temperature, row_top_k = temperature.index_select(0, owner), top_k.index_select(0, owner)
+        self._br_accepted[:rows].copy_(accepted)
+        self._br_bonus[:rows].copy_(token)
+        self._br_score[:rows].copy_(score.flatten())
+        for j in range(K + 1):
+            live = (k_row >= max(j, 1)).int()
+            feature = head(token[:, None], feature[:, None], position + j, live, head_slots, kc, vc,
+                           own_features=True)[:, 0]
+            if j > 0:
+                self._slot_hidden[:, j - 1].index_copy_(0, branch_slots, feature)
+            if j == K:
+                break
+            sample = sample_drafts(head.logits(feature), row_temperature, row_top_k, self.max_top_k, mode)
+            self._slot_draft_ids[:, j].index_copy_(0, branch_slots, sample.tokens)
+            token = sample.tokens if to_target is None else to_target[sample.tokens]
+            self._br_tokens[:rows, j].copy_(token)
+            if sample.top_q is not None:
+                self._br_top_idx[:rows, j].copy_(sample.top_idx)
+                self._br_top_q[:rows, j].copy_(sample.top_q)
+
+    def _branch_tables(self, requests: list[_Request], slots: list[list[int]], counts: list[int],
+                       ks: list[int], temperature: list[float]) -> list[list[Branch]]:
+        """Reads the branch loop's outputs (one copy each) into per-request tables; remembers the branches."""
+        N, rows = self.max_branches, len(requests) * self.max_branches
+        accepted = self._br_accepted[:rows].tolist()
+        bonus = self._br_bonus[:rows].tolist()
+        score = self._br_score[:rows].tolist()
+        tokens = self._br_tokens[:rows].tolist()
+        sampled = any(t > 0 for t in temperature)
+        if sampled:
+            to_target = self.head.draft_to_target
+            top_idx = self._br_top_idx[:rows]
+            top_idx = (top_idx if to_target is None else to_target[top_idx]).cpu()
+            top_q = self._br_top_q[:rows].cpu()
+        tables = []
+        for b, (r, n, k, t) in enumerate(zip(requests, counts, ks, temperature, strict=True)):
+            table = []
+            for i in range(n):
+                row = b * N + i
+                if score[row] <= 0:  # an outcome the check in flight cannot have: return its slot
+                    self._free_slots.append(slots[b][i])
+                    continue
+                ids = tokens[row][:k]
+                r.branches.append(_Branch(slots[b][i], accepted[row], bonus[row], ids))
+                q_idx = q_val = None
+                if t > 0:
+                    width = max(1, int((top_q[row, :k] > 0).sum(1).max()))
+                    q_val = top_q[row, :k, :width]
+                    q_idx = torch.where(q_val > 0, top_idx[row, :k, :width], -1)
+                table.append(Branch(len(r.branches) - 1, accepted[row], bonus[row], ids, q_idx, q_val))
+            tables.append(table)
+        return tables
 
     # ------------------------------------------------------------------------------------ outputs
 

@@ -88,6 +88,7 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
             head=head_name, feature_dim=head.feature_dim,
             aux_layers=list(head.aux_layers) if head.arch == "eagle3" else [],
             max_num_drafts=proposer.max_drafts, max_requests=proposer.max_requests,
+            max_branches=proposer.max_branches,
             feature_dtype=_FEATURE_DTYPES[proposer.head.dtype],
         )
         self.proposer = proposer
@@ -162,10 +163,13 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
                 log.warning("update dropped", extra={"request_id": update.request_id, "reason": str(e)})
         wanted = [w for w in step.wants if f"{stream}/{w.request_id}" in self._known]
         wanted = list({w.request_id: w for w in wanted}.values())  # one row per request
-        if wanted:
+        for serve, wants in ((self._propose, [w for w in wanted if not w.num_branches]),
+                             (self._draft_tables, [w for w in wanted if w.num_branches])):
+            if not wants:
+                continue
             try:
-                self._propose(stream, wanted, result)
-            except ProposerError as e:  # a want the proposer cannot serve: this step has no drafts
+                serve(stream, wants, result)
+            except ProposerError as e:  # a want the proposer cannot serve: these requests get no drafts
                 result.error = str(e)
         result.compute_seconds = time.perf_counter() - started
         self.metrics.draft_step_time.observe(result.compute_seconds)
@@ -221,6 +225,35 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
         self.metrics.forward_steps_by_mode["cuda_graph" if p.graphs else "eager"].inc()
         self._split(wants, proposal, temperature, top_k, result)
         self.metrics.draft_tokens.inc(int(proposal.num_drafts.sum()))  # k clipped at the drafter's context
+
+    def _draft_tables(self, stream: int, wants: list[pb.DraftWant], result: pb.DraftResult) -> None:
+        """A speculation-cache table per want: one Proposal per branch, q as _split ships it."""
+        p = self.proposer
+        keys = [f"{stream}/{w.request_id}" for w in wants]
+        temperature = [max(w.temperature, 0.0) for w in wants]
+        tables = p.draft_branches(
+            keys,
+            [w.verifying_branch if w.HasField("verifying_branch") else None for w in wants],
+            [min(w.num_branches, p.max_branches) for w in wants],
+            [min(w.num_drafts, p.max_drafts) for w in wants],
+            temperature,
+            [min(w.top_k, p.max_top_k) if t > 0 else 0 for w, t in zip(wants, temperature, strict=True)],
+        )
+        self.metrics.forward_steps_by_mode["cuda_graph" if p.graphs else "eager"].inc()
+        drafted = 0
+        for w, table in zip(wants, tables, strict=True):
+            for branch in table:
+                message = result.proposals.add(request_id=w.request_id, draft_token_ids=branch.token_ids)
+                message.branch.index, message.branch.accepted = branch.index, branch.accepted
+                message.branch.bonus_token_id = branch.bonus
+                drafted += len(branch.token_ids)
+                if branch.q_values is None:
+                    message.probs_kind = pb.PROBS_KIND_NONE
+                    continue
+                message.probs_kind = pb.PROBS_KIND_SPARSE
+                message.sparse.indices.CopyFrom(encode_tensor(branch.q_indices.to(torch.int32)))
+                message.sparse.values.CopyFrom(encode_tensor(branch.q_values))
+        self.metrics.draft_tokens.inc(drafted)
 
     def _split(self, wants: list[pb.DraftWant], proposal: Proposal, temperature: list[float],
                top_k: list[int], result: pb.DraftResult) -> None:

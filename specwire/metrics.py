@@ -149,6 +149,13 @@ class VerifierMetrics(_ServiceMetrics):
             "fallback_steps", "Steps decoded without drafts because of a drafter fault.", ["reason"]
         )
         self.fallbacks = {reason: self.fallback_steps.labels(reason=reason) for reason in FALLBACK_REASONS}
+        self.spec_cache_lookups = c(
+            "spec_cache_lookups",
+            "Speculation-cache lookups after a verification, per request: hit (drafts ready), miss (outcome "
+            "not in the table), late (the table did not come in time).",
+            ["result"],
+        )
+        self.cache = {r: self.spec_cache_lookups.labels(result=r) for r in ("hit", "miss", "late")}
         self._accepted_at: list[Counter] = []  # num_accepted_tokens_per_pos children, bound when first seen
 
     def observe_verification(self, num_draft_tokens: Sequence[int], num_accepted: Sequence[int]) -> None:

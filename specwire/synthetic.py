@@ -26,6 +26,7 @@ from specwire.tokenizer import Tokenizer
 from specwire.weights import checkpoint_shapes
 
 PREFIX = "synthetic:"
+RANDOM_HEAD = "random"  # --head random: an EAGLE-1 head of the target's shape with random weights
 SEED = 0
 WEIGHT_STD = 0.02
 
@@ -73,6 +74,11 @@ def synthetic_shape(model: str | Path | None) -> str | None:
     if name not in SHAPES:
         raise ModelLoadError(f"unknown synthetic model {name!r} (choose from {', '.join(sorted(SHAPES))})")
     return name
+
+
+def head_or_random(model: str | Path | None, head: str | None) -> str | None:
+    """A drafter's --head: as given, or RANDOM_HEAD for a synthetic model given none."""
+    return RANDOM_HEAD if head is None and synthetic_shape(model) is not None else head
 
 
 def synthetic_config(name: str) -> ModelConfig:

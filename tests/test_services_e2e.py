@@ -7,6 +7,7 @@ prefill/decode + argmax), whatever the drafter does: drafts, dies, restarts or s
 """
 
 import asyncio
+import functools
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -18,6 +19,7 @@ from specwire.drafter.eagle_head import EagleHead, EagleHeadConfig
 from specwire.drafter.proposer import EagleProposer
 from specwire.drafter.server import DrafterService
 from specwire.kernels.rejection_sampler import rejection_sample
+from specwire.verifier.drafter_link import LocalDrafterLink
 from specwire.verifier.scheduler import SchedulerConfig
 from specwire.verifier.server import VerifierServer, VerifierSettings
 
@@ -35,6 +37,9 @@ from specwire.weights import checkpoint_shapes
 VOCAB, H = 49152, 64
 MAX_CONTEXT = 160
 K = 3
+BRANCHES = 4  # speculation-cache table entries per request
+# Tests wait for every table (on a shared CPU the drafter is often slower than the tiny target), so cache hits
+# and misses depend on the drafts alone; the default waits half a verification.
 
 
 def tiny_target() -> tuple[ModelConfig, dict[str, torch.Tensor]]:
@@ -97,7 +102,7 @@ class Drafter:
         self.loop, self.metrics = loop, DrafterMetrics()
         config, sd = checkpoint
         proposer = EagleProposer(bigram_head(config, sd, device), max_requests=48, max_context=MAX_CONTEXT,
-                                 max_drafts=K, max_top_k=16)
+                                 max_drafts=K, max_top_k=16, max_branches=BRANCHES)
         self.port = loop.run(self._start(port, service_class, proposer, config, fingerprint))
 
     async def _start(self, port, service_class, proposer, config, fingerprint) -> int:
@@ -119,25 +124,39 @@ class Drafter:
         self.service.close()
 
 
+def colocated(checkpoint, tokenizer, metrics: VerifierMetrics) -> LocalDrafterLink:
+    """The world's drafter (the bigram head), but in the verifier's process behind the in-process link."""
+    config, sd = checkpoint
+    proposer = EagleProposer(bigram_head(config, sd), max_requests=48, max_context=MAX_CONTEXT, max_drafts=K,
+                             max_top_k=16, max_branches=BRANCHES)
+    service = DrafterService(DrafterMetrics())
+    service.load(proposer, config, tokenizer.fingerprint, "eagle1:bigram")
+    return LocalDrafterLink(functools.partial(service.run_step, 0, set()), service.info, service.mismatch,
+                            metrics, step_timeout=5.0)
+
+
 class Verifier:
-    def __init__(self, loop: Loop, checkpoint, tokenizer, drafter_port: int | None, max_slots: int = 16,
-                 overlap: bool = True, step_timeout: float = 5.0, device: str = "cpu"):
+    def __init__(self, loop: Loop, checkpoint, tokenizer, drafter_port: int | str | None, max_slots: int = 16,
+                 cache_branches: int = BRANCHES, step_timeout: float = 5.0, device: str = "cpu",
+                 table_wait: float | None = 5.0):
         self.loop, self.metrics = loop, VerifierMetrics()
         self.engine = TargetEngine(checkpoint=checkpoint, device=device, dtype=torch.float32,
                                    max_slots=max_slots, max_context=MAX_CONTEXT)
         settings = VerifierSettings(
-            drafter=f"127.0.0.1:{drafter_port}" if drafter_port else None, step_timeout=step_timeout,
+            drafter=f"127.0.0.1:{drafter_port}" if isinstance(drafter_port, int) else None,
+            step_timeout=step_timeout,
             scheduler=SchedulerConfig(num_speculative_tokens=K, max_waiting=64, default_max_tokens=16,
-                                      overlap=overlap),
+                                      cache_branches=cache_branches, table_wait=table_wait),
             model_name="tiny",
         )
-        self.port = loop.run(self._start(settings, tokenizer))
+        link = colocated(checkpoint, tokenizer, self.metrics) if drafter_port == "colocated" else None
+        self.port = loop.run(self._start(settings, tokenizer, link))
         self.channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
         self.stub = generation_pb2_grpc.GenerationStub(self.channel)
 
-    async def _start(self, settings, tokenizer) -> int:
+    async def _start(self, settings, tokenizer, link) -> int:
         self.server = VerifierServer(grpc_common.ServerOptions(listen="127.0.0.1:0"), settings, self.metrics)
-        return await self.server.start(self.engine, tokenizer)
+        return await self.server.start(self.engine, tokenizer, link)
 
     def info(self) -> pb.ModelInfo:
         return self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
@@ -292,9 +311,14 @@ def test_seeded_sampling_repeats_whatever_the_batch(world):
     batched = generate_all(v, [prompt, *prompts(5, seed=6)], max_tokens=20, **sampling)
     assert batched[0][0] == alone
     assert v.generate(prompt, max_tokens=20, **(sampling | {"seed": 99}))[0] != alone
-    # Unseeded sampled requests draft from the head's top-K and ship sparse q; they run like any other.
+    # Unseeded sampled requests get tables of top-K drafts with sparse q (every entry checked and none
+    # refused); on this random target a sampled bonus is rarely among the head's guesses, so most rounds miss.
+    lookups = sum(v.counter(v.metrics.cache[r]) for r in ("hit", "miss"))
+    bad = v.counter(v.metrics.bad_payloads, reason="bad_tensor")
     ids, _, complete = v.generate(prompt, max_tokens=20, temperature=0.7)
-    assert len(ids) == 20 and complete.usage.draft_tokens > 0
+    assert len(ids) == 20 and complete.finish_reason == pb.FINISH_REASON_LENGTH
+    assert sum(v.counter(v.metrics.cache[r]) for r in ("hit", "miss")) - lookups >= 10
+    assert v.counter(v.metrics.bad_payloads, reason="bad_tensor") == bad
 
 
 def test_32_concurrent_streams_complete(world):
@@ -386,11 +410,11 @@ def test_drafter_killed_mid_generation_then_restarted(world):
     v = Verifier(loop, checkpoint, world.tokenizer, drafter.port, step_timeout=2.0)
     try:
         v.wait_connected()
-        accepted = v.metrics.num_accepted_tokens
+        drafted = v.metrics.num_draft_tokens  # verified drafts: the tables hit
         batch = prompts(6, seed=11)
         with ThreadPoolExecutor(len(batch)) as pool:
             futures = [pool.submit(v.generate, p, max_tokens=60) for p in batch]
-            poll(lambda: accepted._value.get() > 0, what="speculation to start")
+            poll(lambda: drafted._value.get() > 0, what="speculation to start")
             drafter.kill()
             results = [f.result() for f in futures]
         for (ids, _, complete), want in zip(results, greedy_reference(checkpoint, batch, 60), strict=True):
@@ -400,11 +424,11 @@ def test_drafter_killed_mid_generation_then_restarted(world):
 
         restarted = Drafter(loop, checkpoint, world.tokenizer.fingerprint, port=drafter.port)
         v.wait_connected()
-        before = accepted._value.get()
+        before = drafted._value.get()
         batch = prompts(4, seed=12)
         results = generate_all(v, batch, max_tokens=20)
         assert [r[0] for r in results] == greedy_reference(checkpoint, batch, 20)
-        assert accepted._value.get() > before, "speculation did not resume after the drafter restarted"
+        assert drafted._value.get() > before, "speculation did not resume after the drafter restarted"
         restarted.kill()
     finally:
         v.close()
@@ -492,8 +516,21 @@ def test_handshake_refuses_a_drafter_for_another_tokenizer(world):
         drafter.kill()
 
 
-def test_greedy_without_overlap_equals_target_only(world):
-    v = Verifier(world.loop, world.checkpoint, world.tokenizer, world.drafter.port, overlap=False)
+def test_colocated_drafter_gives_the_two_process_output(world):
+    batch = prompts(8, seed=31)
+    two_process = [r[0] for r in generate_all(world.verifier, batch, max_tokens=20)]
+    v = Verifier(world.loop, world.checkpoint, world.tokenizer, "colocated")
+    try:
+        assert v.info().speculation.drafter_connected
+        assert [r[0] for r in generate_all(v, batch, max_tokens=20)] == two_process
+        assert two_process == greedy_reference(world.checkpoint, batch, 20)
+        assert v.counter(v.metrics.cache["hit"]) > 0 and v.counter(v.metrics.num_draft_tokens) > 0
+    finally:
+        v.close()
+
+
+def test_greedy_with_serial_drafting_equals_target_only(world):
+    v = Verifier(world.loop, world.checkpoint, world.tokenizer, world.drafter.port, cache_branches=0)
     try:
         v.wait_connected()
         batch = prompts(8, seed=15)

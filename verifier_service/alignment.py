@@ -188,3 +188,40 @@ def batch_drafts(request_ids: list[str], drafts: dict[str, Drafts], vocab_size: 
             values[start:end, 0] = 1.0
         start = end
     return BatchDrafts(token_ids, DraftProbs.sparse(indices, values))
+
+
+@dataclass
+class Table:
+    """One request's speculation-cache table: drafts per outcome (accepted drafts, bonus token)."""
+
+    entries: dict[tuple[int, int], tuple[int, Drafts]] = field(default_factory=dict)  # -> (index, drafts)
+
+
+def read_tables(result: pb.DraftResult, wants: dict[str, tuple[Want, int, int]], vocab_size: int
+                ) -> tuple[dict[str, Table], AlignedResult]:
+    """Checks every table entry of `result`. wants: request id -> (its want, the most branches asked for,
+    the drafts its verification in flight checks). An entry must name a possible outcome of that check,
+    once, and carry drafts that decode_proposal accepts; a bad entry is dropped alone."""
+    tables: dict[str, Table] = {}
+    aligned = AlignedResult()
+    for proposal in result.proposals:
+        rid = proposal.request_id
+        if rid not in wants or not proposal.HasField("branch"):
+            aligned.unknown_ids.append(rid)
+            continue
+        want, most, checked = wants[rid]
+        table = tables.setdefault(rid, Table())
+        branch = proposal.branch
+        outcome = (branch.accepted, branch.bonus_token_id)
+        try:
+            if len(table.entries) >= most:
+                raise ProposalError(f"proposal {rid!r}: more than the {most} branches asked for")
+            if branch.accepted > checked or branch.bonus_token_id >= vocab_size:
+                raise ProposalError(f"proposal {rid!r}: branch ({branch.accepted} accepted, bonus "
+                                    f"{branch.bonus_token_id}) cannot follow a check of {checked} drafts")
+            if outcome in table.entries:
+                raise ProposalError(f"proposal {rid!r}: a second branch for outcome {outcome}")
+            table.entries[outcome] = (branch.index, decode_proposal(proposal, want, vocab_size))
+        except ProposalError as e:
+            aligned.invalid[rid] = str(e)
+    return tables, aligned

@@ -16,7 +16,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     env = grpc_common.env_default
     grpc_common.add_server_arguments(parser, default_listen="0.0.0.0:50051")
     parser.add_argument("--drafter", default=env("SPECWIRE_DRAFTER", None),
-                        help="drafter HOST:PORT (env SPECWIRE_DRAFTER); without one, target-only decoding")
+                        help="drafter HOST:PORT (env SPECWIRE_DRAFTER); without one (or --colocated), "
+                             "target-only decoding")
+    parser.add_argument("--colocated", action="store_true",
+                        help="run the drafter inside this process (same scheduler and link, no gRPC hop)")
+    parser.add_argument("--head", default=env("SPECWIRE_HEAD", None),
+                        help="with --colocated: EAGLE head directory (default: the shipped head)")
+    parser.add_argument("--drafter-device", default=None,
+                        help="with --colocated: the drafter's device (default: the target's)")
     grpc_common.add_channel_arguments(parser, prefix="drafter-")
     grpc_common.add_model_arguments(parser, dtype_of="weights and KV cache")
     parser.add_argument("--k", type=int, default=env("SPECWIRE_K", 4),
@@ -33,8 +40,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds a step waits for its drafts before verifying without them (default 1)")
     parser.add_argument("--draft-top-k", type=int, default=env("SPECWIRE_DRAFT_TOP_K", 16),
                         help="sampled requests draft from the head's top-K, shipped sparse (default 16)")
-    parser.add_argument("--no-overlap", action="store_true",
-                        help="verify the whole batch at once instead of two alternating halves")
+    parser.add_argument("--cache-branches", type=int, default=env("SPECWIRE_CACHE_BRANCHES", 8),
+                        help="speculation cache: table entries per request the drafter drafts while a "
+                             "verification runs (default 8; 0 = wait for drafts each round)")
+    parser.add_argument("--table-wait-ms", type=float, default=env("SPECWIRE_TABLE_WAIT_MS", None),
+                        help="how long a finished verification waits for a table still on its way "
+                             "(default: half the last verification's time)")
     parser.add_argument("--aux-layers", default=env("SPECWIRE_AUX_LAYERS", "eagle3"),
                         help="target layers whose input EAGLE-3 heads read: comma-separated, 'eagle3' "
                              "(2, L/2, L-3) or 'none' (default eagle3)")
@@ -70,7 +81,8 @@ def load_engine(args: argparse.Namespace):
 
     device, dtype = device_and_dtype(args.device, args.dtype)
     config, state_dict, tokenizer, name = load_model(args.model, device, dtype)
-    aux = parse_aux_layers(args.aux_layers, config.num_layers) if args.drafter and args.k > 0 else ()
+    speculating = (args.drafter or args.colocated) and args.k > 0
+    aux = parse_aux_layers(args.aux_layers, config.num_layers) if speculating else ()
     engine = TargetEngine(device=device, dtype=dtype, max_slots=args.max_slots,
                           max_context=args.max_context, cuda_graphs=not args.no_cuda_graphs, aux_layers=aux,
                           max_verify_tokens=args.k + 1, checkpoint=(config, state_dict))
@@ -86,26 +98,42 @@ async def serve(args: argparse.Namespace) -> None:
 
     if args.k < 0:
         raise ValueError(f"--k must be >= 0, got {args.k}")
+    if args.colocated and args.drafter:
+        raise ValueError("--colocated runs the drafter in this process: leave out --drafter")
+    if args.cache_branches < 0:
+        raise ValueError(f"--cache-branches must be >= 0, got {args.cache_branches}")
     forced = None
     if args.forced_acceptance_length is not None:
         forced = forced_rates(float(args.forced_acceptance_length), args.k)  # checks the range
     metrics = VerifierMetrics()
     if args.metrics_port is not None:
         metrics.serve(args.metrics_port)
+    table_wait = None if args.table_wait_ms is None else args.table_wait_ms / 1e3
     settings = VerifierSettings(
         drafter=args.drafter if args.k > 0 else None,
         drafter_channel=grpc_common.ChannelOptions.from_args(args, prefix="drafter-"),
         step_timeout=args.draft_timeout,
         scheduler=SchedulerConfig(num_speculative_tokens=args.k, max_waiting=args.max_waiting,
                                   default_max_tokens=args.default_max_tokens, draft_top_k=args.draft_top_k,
-                                  overlap=not args.no_overlap, forced_acceptance=forced),
+                                  cache_branches=args.cache_branches,
+                                  table_wait=table_wait, forced_acceptance=forced),
     )
     server = VerifierServer(grpc_common.ServerOptions.from_args(args), settings, metrics)
 
     async def load() -> None:
         engine, tokenizer, name = await asyncio.to_thread(load_engine, args)
+        link = None
+        if args.colocated and args.k > 0:
+            from specwire.colocated import colocated_link
+            from specwire.synthetic import head_or_random
+
+            link = await asyncio.to_thread(
+                colocated_link, engine, tokenizer, metrics, head=head_or_random(args.model, args.head),
+                device=args.drafter_device,
+                k=args.k, max_branches=args.cache_branches, cuda_graphs=not args.no_cuda_graphs,
+                step_timeout=args.draft_timeout)
         server.service.model_name = name
-        await server.start(engine, tokenizer)
+        await server.start(engine, tokenizer, link)
         extra = {"model": name, "device": str(engine.device), "drafter": settings.drafter, "k": args.k}
         log.info("verifier ready", extra=extra)
 

@@ -14,6 +14,7 @@ import logging
 import random
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import grpc
@@ -39,7 +40,106 @@ class _Pending:
     sent_at: float
 
 
-class DrafterLink:
+class _StepResults:
+    """What both links share: a step's future resolves to its DraftResult, None (the drafter is gone) or
+    _EXPIRED (its deadline passed; `result` then counts the timeout and returns None)."""
+
+    metrics: VerifierMetrics
+    step_timeout: float
+
+    async def result(self, future: asyncio.Future, timeout: float | None = None) -> pb.DraftResult | None:
+        """The step's DraftResult, or None after `timeout` (default step_timeout; a later answer is then
+        stale) or when the stream broke. An answer already in costs no wait; else the future itself is
+        awaited, a timer resolving it at the deadline: the caller resumes one loop turn after the answer
+        (wait_for and shield took three)."""
+        if not future.done():
+            wait = self.step_timeout if timeout is None else timeout
+            timer = asyncio.get_running_loop().call_later(wait, self._expire, future)
+            try:
+                await future
+            finally:
+                timer.cancel()
+        result = future.result()
+        if result is _EXPIRED:
+            self.metrics.fallbacks["timeout"].inc()
+            return None
+        if result is None:  # the stream broke while the step was out
+            self.metrics.fallbacks["down"].inc()
+        return result
+
+    @staticmethod
+    def _expire(future: asyncio.Future) -> None:
+        if not future.done():
+            future.set_result(_EXPIRED)
+
+
+class LocalDrafterLink(_StepResults):
+    """The co-located drafter: the same link for a drafter in this process (one GPU, or a CPU, serves both).
+    Steps are the same DraftStep messages, answered by `run_step` on the drafter's own worker thread in
+    order, without gRPC or serialisation; a failed step resolves to None like a broken stream."""
+
+    def __init__(self, run_step: Callable[[pb.DraftStep], pb.DraftResult], info: pb.DrafterInfo,
+                 mismatch: Callable[[pb.HandshakeRequest], str], metrics: VerifierMetrics,
+                 step_timeout: float = 0.5, max_in_flight: int = 4):
+        """run_step: the drafter's step function (it runs on a thread of its own); mismatch: the drafter's
+        handshake check (a one-line reason, or empty)."""
+        self._run_step, self._info, self._mismatch = run_step, info, mismatch
+        self.metrics, self.step_timeout, self.max_in_flight = metrics, step_timeout, max_in_flight
+        self.target = "in-process"
+        self.handshake = pb.HandshakeRequest()
+        self.check_info: Callable[[pb.DrafterInfo], None] = lambda info: None
+        self.on_connect: Callable[[], None] = lambda: None
+        self.info: pb.DrafterInfo | None = None
+        self.last_error = ""
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="drafter-colocated")
+        self._in_flight = 0
+        self._next_step = 1
+
+    @property
+    def connected(self) -> bool:
+        return self.info is not None
+
+    def start(self) -> None:
+        """The handshake, as over gRPC: a refusal leaves speculation off with the reason logged."""
+        try:
+            if problem := self._mismatch(self.handshake):
+                raise HandshakeRefused(problem)
+            self.check_info(self._info)
+        except HandshakeRefused as e:
+            self.last_error = str(e)
+            log.error("drafter refused: speculation off", extra={"drafter": self.target, "reason": str(e)})
+            return
+        self.info = self._info
+        self.on_connect()
+
+    async def close(self) -> None:
+        self.info = None
+        self._worker.shutdown(wait=True)
+
+    def can_send(self) -> bool:
+        return self.connected and self._in_flight < self.max_in_flight
+
+    def send(self, step: pb.DraftStep) -> asyncio.Future | None:
+        if not self.can_send():
+            return None
+        step.step_id = self._next_step
+        self._next_step += 1
+        self._in_flight += 1
+        future = asyncio.get_running_loop().create_future()
+        done = asyncio.get_running_loop().run_in_executor(self._worker, self._run_step, step)
+        done.add_done_callback(lambda task: self._answer(task, future))
+        return future
+
+    def _answer(self, task: asyncio.Future, future: asyncio.Future) -> None:
+        self._in_flight -= 1
+        if task.exception() is not None:
+            log.error("co-located drafter step failed", extra={"error": repr(task.exception())})
+            self.metrics.bad_payloads.labels(reason="link_error").inc()
+        if not future.done():
+            future.set_result(None if task.exception() is not None else task.result())
+
+
+class DrafterLink(_StepResults):
     """Sends DraftSteps and hands back their DraftResults, or None when the drafter cannot answer in time."""
 
     def __init__(
@@ -106,30 +206,6 @@ class DrafterLink:
         self._pending[step.step_id] = _Pending(future, time.perf_counter())
         self._outbox.put_nowait(step)
         return future
-
-    async def result(self, future: asyncio.Future) -> pb.DraftResult | None:
-        """The step's DraftResult, or None after step_timeout (a later answer is then stale) or when the
-        stream broke. An answer already in costs no wait; else the future itself is awaited, a timer
-        resolving it at the deadline: the caller resumes one loop turn after the answer (wait_for and shield
-        took three)."""
-        if not future.done():
-            timer = asyncio.get_running_loop().call_later(self.step_timeout, self._expire, future)
-            try:
-                await future
-            finally:
-                timer.cancel()
-        result = future.result()
-        if result is _EXPIRED:
-            self.metrics.fallbacks["timeout"].inc()
-            return None
-        if result is None:  # the stream broke while the step was out
-            self.metrics.fallbacks["down"].inc()
-        return result
-
-    @staticmethod
-    def _expire(future: asyncio.Future) -> None:
-        if not future.done():
-            future.set_result(_EXPIRED)
 
     # ------------------------------------------------------------------------------------------ stream
 

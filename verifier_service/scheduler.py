@@ -5,9 +5,13 @@ free what finished or was aborted, prefill waiting requests into free slots, the
 requests and stream their new tokens. Speculation is an add-on that can vanish at any step: proposals are
 matched by request id (alignment.py) and a request without one is verified with 0 drafts.
 
-Overlap: while a drafter is connected the running batch is split into two halves that take turns. A half's
-next DraftStep is sent right after its verification, so the drafter drafts for half A while the target
-verifies half B, and neither GPU waits for the other when both steps take about as long.
+Speculation cache (cache_branches > 0 and a drafter that offers tables): the DraftStep of a round goes out
+as soon as its verification is launched. It settles the round before and names the table entry (branch)
+being checked now; the drafter answers with a table of drafts for the likeliest outcomes (accepted drafts,
+bonus token) of that check, drafted while it runs. When it ends the verifier looks its outcome up: a hit
+launches the next verification at once with those drafts (and the q they were drawn from), a miss or a late
+table verifies that request with 0 drafts. The branch is chosen by the realised outcome only, so the output
+is exactly the target's. Without tables (serial mode) a round waits for drafts made for its settled tokens.
 
 Drafter state: `drafter_len` is how many of a request's tokens the drafter has been told. Every step sent
 carries each request's tokens (and target features) since then; a new stream resets it to 0, so the next
@@ -27,7 +31,16 @@ from dataclasses import dataclass, field
 
 import torch
 from specwire.kernels.rejection_sampler import rejection_sample
-from specwire.verifier.alignment import BatchDrafts, Want, batch_drafts, read_result
+from specwire.verifier.alignment import (
+    AlignedResult,
+    BatchDrafts,
+    Drafts,
+    Table,
+    Want,
+    batch_drafts,
+    read_result,
+    read_tables,
+)
 from specwire.verifier.drafter_link import DrafterLink, HandshakeRefused
 
 from specwire.engine import TargetEngine
@@ -91,10 +104,11 @@ class Request:
     arrived: float = field(default_factory=time.perf_counter)
     tokens: list[int] = field(default_factory=list)  # prompt + output
     slot: int = -1
-    half: int = 0
     features: FeatureRows | None = None
     unsent_text: str = ""  # detokenised by _settle, not yet streamed
     drafter_len: int = 0
+    next_drafts: Drafts | None = None  # from the speculation cache: the next verification's drafts
+    next_branch: int | None = None  # the table entry they came from
     first_token_at: float = 0.0
     last_token_at: float = 0.0
     drafts: int = 0
@@ -119,7 +133,10 @@ class SchedulerConfig:
     max_waiting: int = 256
     default_max_tokens: int = 128
     draft_top_k: int = 16  # sampled drafts are drawn from the top-K of the head's q (and shipped sparse)
-    overlap: bool = True  # alternate two halves while a drafter is connected
+    cache_branches: int = 8  # speculation-cache table entries per request; 0 = serial drafting
+    # How long a finished verification waits for a table still on its way; None = half the last
+    # verification's time (a hit saves a round of drafting, a long wait loses what it saves).
+    table_wait: float | None = None
     forced_acceptance: tuple[float, ...] | None = None  # benchmarks only: acceptance rate per draft position
 
 
@@ -176,7 +193,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.draining = False
         self._frees: list[str] = []  # requests the drafter knows that left the batch
-        self._in_flight: dict[int, tuple[asyncio.Future, dict[str, Want]]] = {}  # half -> its sent step
+        self._in_flight: tuple[asyncio.Future, dict[str, Want]] | None = None  # serial mode's sent step
+        self._verify_seconds = 0.0  # wall time of the last verification, launch to tokens
         self._feature_columns: torch.Tensor | slice | None = None
         self._feature_dtype = torch.float32
         self._readback = _Readback()  # the worker's feature table on its way to the host
@@ -257,16 +275,14 @@ class Scheduler:
             self.metrics.num_requests_waiting.set(len(self.waiting))
             if not self.waiting and not self.running:
                 if self._frees and self.speculating:
-                    self._send_step(0, [])
+                    self._send_step([], branches=False)
                 self._wake.clear()
                 await self._wake.wait()
                 continue
             if self.waiting and self.engine.num_free_slots:
                 await self._guarded(self._prefill, self._admit())
-            for half, group in self._groups():
-                if group:
-                    await self._guarded(self._verify, group, half)
-                    self._reap()
+            if self.running:
+                await self._guarded(self._round, list(self.running))
 
     async def _guarded(self, step, requests: list[Request], *args) -> None:
         """Runs one step; a fault (a kernel error, a bug) fails these requests, never the server."""
@@ -278,12 +294,6 @@ class Scheduler:
                 if r.live:
                     r.finish_reason = "error"
                     r.outputs.put_nowait(Output([], "", "error", f"internal error: {type(e).__name__}: {e}"))
-
-    def _groups(self) -> list[tuple[int, list[Request]]]:
-        """(half, its requests): the two halves while overlapping, else everyone as half 0."""
-        if self.config.overlap and self.speculating:
-            return [(h, [r for r in self.running if r.half == h]) for h in (0, 1)]
-        return [(0, list(self.running))]
 
     def _admit(self) -> list[Request]:
         admitted, budget = [], self.engine.max_prefill_tokens
@@ -323,9 +333,7 @@ class Scheduler:
         return await asyncio.get_running_loop().run_in_executor(self._worker, fn, *args)
 
     async def _prefill(self, admitted: list[Request]) -> None:
-        for r in admitted:  # join the smaller half
-            r.half = int(sum(x.half == 0 for x in self.running) > sum(x.half == 1 for x in self.running))
-            self.running.append(r)
+        self.running += admitted
         step = await self._compute(self._prefill_on_worker, admitted)
         for r, tokens in zip(admitted, step.tokens, strict=True):
             if step.features is not None:
@@ -334,31 +342,95 @@ class Scheduler:
             if r.live:  # as in _verify: an abort that came in during the step wins
                 self._emit(r, tokens)
 
-    async def _verify(self, group: list[Request], half: int) -> None:
-        sent = self._in_flight.pop(half, None)
-        result = await self.link.result(sent[0]) if sent else None
+    @property
+    def caching(self) -> bool:
+        """Drafts come from speculation-cache tables (the drafter offers them and they are enabled)."""
+        return self.speculating and self.config.cache_branches > 0 and self.link.info.max_branches > 0
+
+    async def _round(self, group: list[Request]) -> None:
+        """One verification of the whole batch, with its drafts; then the new tokens are settled."""
         live = [r for r in group if r.live]
         if not live:
             return
+        caching = self.caching
+        if caching:
+            batch, sent = self._cached_drafts(live), None
+        else:
+            sent, self._in_flight = self._in_flight, None
+            result = await self.link.result(sent[0]) if sent else None
+            batch = self._drafts_for(live, result, sent[1] if sent else {})
+            live = [r for r in live if r.live]  # the wait may have let aborts in
+            if not live:
+                return
         if sent is None and self.config.num_speculative_tokens and self.link and not self.link.connected:
             self.metrics.fallbacks["down"].inc()
-        batch = self._drafts_for(live, result, sent[1] if sent else {})
-        step = await self._compute(self._verify_on_worker, live, batch)
-        # The drafter's next step goes out as soon as the new tokens are settled. Streaming them and the
-        # metrics wait for the next loop turn: by then the other half's verification has been handed to the
-        # worker and the step written, so this work overlaps the GPU and the drafter.
+        started = time.perf_counter()
+        verification = asyncio.get_running_loop().run_in_executor(self._worker, self._verify_on_worker, live,
+                                                                  batch)
+        if caching:  # the tables for this verification's outcomes are drafted while it runs
+            sent = self._send_step(live, branches=True, checking=batch.num_drafts)
+        step = await verification
+        self._verify_seconds = time.perf_counter() - started
+        tables = await self._tables(sent) if caching else None
+        wanted = sent[1] if caching and sent else {}
+        # Streaming the settled tokens and the metrics wait for the next loop turn: by then the next
+        # verification has been handed to the worker, so this work overlaps the GPU.
         settled = []
         for i, r in enumerate(live):
             if step.features is not None:
                 r.features.append(step.features[i])
+            r.next_drafts = r.next_branch = None
             if r.live:  # an abort that came in during the step wins: nothing more is streamed
                 settled.append((r, self._settle(r, step.tokens[i])))
+                if r.id in wanted and r.live:
+                    self._look_up(r, tables, step.tokens[i])
         try:
-            if self.speculating:
-                self._send_step(half, [r for r in live if r.live])
+            if self.speculating and not caching:
+                self._send_step([r for r in live if r.live], branches=False)
         finally:
             loop = asyncio.get_running_loop()
             loop.call_soon(self._finish_round, live, batch.num_drafts, step.tokens, settled)
+
+    def _cached_drafts(self, live: list[Request]) -> BatchDrafts:
+        """The drafts the last tables hold for each request's outcome, cut to the room it has left."""
+        drafts = {}
+        for r in live:
+            d = r.next_drafts
+            if d is None:
+                r.next_branch = None
+                continue
+            k = min(len(d.token_ids), self._num_drafts(r))
+            drafts[r.id] = Drafts(d.token_ids[:k], *(None if x is None else x[:k]
+                                                       for x in (d.indices, d.values, d.probs)))
+        return batch_drafts([r.id for r in live], drafts, self.vocab_size)
+
+    async def _tables(self, sent: tuple[asyncio.Future, dict] | None) -> dict[str, Table] | None:
+        """The checked tables of the step sent with this verification, or None if they did not come in time
+        (they are then stale: the next step tells the drafter that no branch is checked)."""
+        if sent is None:
+            return None
+        future, wants = sent
+        wait = self.config.table_wait if self.config.table_wait is not None else 0.5 * self._verify_seconds
+        result = await self.link.result(future, timeout=wait)
+        if result is None:
+            return None
+        if result.error:
+            log.warning("drafter step failed", extra={"error": result.error})
+        tables, aligned = read_tables(result, wants, self.vocab_size)
+        self._count_bad(aligned)
+        self._apply_dropped(result)
+        return tables
+
+    def _look_up(self, r: Request, tables: dict[str, Table] | None, tokens: list[int]) -> None:
+        """Picks the table entry for the outcome the sampler just settled: `tokens` are the accepted drafts
+        and the bonus token."""
+        if tables is None:
+            self.metrics.cache["late"].inc()
+            return
+        entry = tables.get(r.id, Table()).entries.get((len(tokens) - 1, tokens[-1]))
+        self.metrics.cache["miss" if entry is None else "hit"].inc()
+        if entry is not None:
+            r.next_branch, r.next_drafts = entry
 
     def _finish_round(self, live: list[Request], num_drafts: list[int], tokens: list[list[int]],
                       settled: list[tuple[Request, list[int]]]) -> None:
@@ -381,16 +453,23 @@ class Scheduler:
         if result.error:
             log.warning("drafter step failed", extra={"error": result.error})
         aligned = read_result(result, wants, self.vocab_size)
+        self._count_bad(aligned)
+        self._apply_dropped(result)
+        return batch_drafts(ids, aligned.drafts, self.vocab_size)
+
+    def _count_bad(self, aligned: AlignedResult) -> None:
         if aligned.unknown_ids:
             self.metrics.bad_payloads.labels(reason="unknown_request").inc(len(aligned.unknown_ids))
         if aligned.invalid:
             self.metrics.bad_payloads.labels(reason="bad_tensor").inc(len(aligned.invalid))
             self.metrics.fallbacks["bad_payload"].inc()
             log.warning("bad drafter proposals", extra={"invalid": aligned.invalid})
+
+    def _apply_dropped(self, result: dpb.DraftResult) -> None:
         for rid in result.dropped_request_ids:  # the drafter lost it: re-send the whole request next step
             if (r := self.requests.get(rid)) is not None:
                 r.drafter_len = 0
-        return batch_drafts(ids, aligned.drafts, self.vocab_size)
+                r.next_drafts = r.next_branch = None
 
     def _emit(self, r: Request, new_tokens: list[int]) -> None:
         """Appends tokens up to the first that finishes the request, and streams them."""
@@ -539,8 +618,10 @@ class Scheduler:
         """A fresh stream holds nothing: every live request is re-sent whole with its next step."""
         for r in self.running:
             r.drafter_len = 0
+        for r in self.running:
+            r.next_drafts = r.next_branch = None
         self._frees.clear()
-        self._in_flight.clear()
+        self._in_flight = None
         self._wake.set()
 
     def _drafter_room(self) -> int:
@@ -572,14 +653,17 @@ class Scheduler:
         rows = torch.cat(blocks)[:, self._feature_columns].to(self._feature_dtype)
         return encode_row_blocks(rows, [len(b) for b in blocks])
 
-    def _send_step(self, half: int, group: list[Request]) -> None:
-        """Tells the drafter what changed for `group` (and who left), and asks for its next drafts."""
+    def _send_step(self, group: list[Request], branches: bool, checking: list[int] | None = None
+                   ) -> tuple[asyncio.Future, dict] | None:
+        """Tells the drafter what changed for `group` (and who left), and asks for drafts: for the settled
+        tokens (serial mode; the step is kept for the next round), or tables for the outcomes of the
+        verification in flight, which checks checking[i] drafts of group[i]. Returns the sent step's
+        future and its wants, or None when nothing was sent (the next step carries these updates)."""
         if not self.link.can_send():
-            return  # nothing recorded as sent: the next step carries these updates
+            return None
         step = dpb.DraftStep()
         for rid in self._frees:
             step.updates.add(request_id=rid).free.SetInParent()
-        wants: dict[str, Want] = {}
         # Past max_requests the drafter refuses a NewRequest, which would then be re-sent whole (every prompt
         # feature) each step. A request without room waits, undrafted, for one; this step's frees come first.
         room = self._drafter_room()
@@ -602,14 +686,31 @@ class Scheduler:
                 update.accepted.position = start
                 update.accepted.token_ids.extend(r.tokens[start:])
                 update.accepted.features.CopyFrom(features)
-        for r in told:
-            if k := self._num_drafts(r):
-                wants[r.id] = self._want(step, r, k)
+        wants: dict = {}
+        if branches:  # a table needs tokens settled since the last one, which is what the updates carry
+            fresh = {r.id: start for r, start in sends}
+            most = min(self.config.cache_branches, self.link.info.max_branches)
+            checked = dict(zip((r.id for r in group), checking, strict=True))
+            for r in told:
+                if r.id in fresh and (k := self._num_drafts(r)):
+                    want = self._want(step, r, k)
+                    message = step.wants[-1]
+                    message.num_branches = most
+                    if r.next_branch is not None and fresh[r.id] > 0:
+                        message.verifying_branch = r.next_branch
+                    wants[r.id] = (want, most, checked[r.id] if message.HasField("verifying_branch") else 0)
+        else:
+            for r in told:
+                if k := self._num_drafts(r):
+                    wants[r.id] = self._want(step, r, k)
         future = self.link.send(step)
         if future is None:
-            return
+            return None
         self._frees.clear()
         for r in told:
             r.drafter_len = len(r.tokens)
-        if wants:
-            self._in_flight[half] = (future, wants)
+        if not wants:
+            return None
+        if not branches:
+            self._in_flight = (future, wants)
+        return future, wants

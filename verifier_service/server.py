@@ -13,7 +13,7 @@ import uuid
 from dataclasses import dataclass
 
 import grpc
-from specwire.verifier.drafter_link import DrafterLink
+from specwire.verifier.drafter_link import DrafterLink, LocalDrafterLink
 from specwire.verifier.scheduler import Request, RequestError, Scheduler, SchedulerConfig
 
 from specwire import grpc_common
@@ -149,17 +149,19 @@ class VerifierServer:
         self.grpc.add_service(grpc_common.GENERATION_SERVICE, add, self.service, require_token=True)
         self.scheduler: Scheduler | None = None
 
-    async def start(self, engine: TargetEngine, tokenizer: Tokenizer) -> int:
-        """Binds the port (unless bound), starts the scheduler on `engine`, then reports SERVING."""
+    async def start(self, engine: TargetEngine, tokenizer: Tokenizer, link: LocalDrafterLink | None = None
+                    ) -> int:
+        """Binds the port (unless bound), starts the scheduler on `engine`, then reports SERVING. link: a
+        co-located drafter (specwire.colocated); else settings.drafter names a remote one, or none."""
         port = self.grpc.port or await self.grpc.start()
-        self.attach(engine, tokenizer)
+        self.attach(engine, tokenizer, link)
         await self.grpc.set_serving(True)
         return port
 
-    def attach(self, engine: TargetEngine, tokenizer: Tokenizer) -> None:
+    def attach(self, engine: TargetEngine, tokenizer: Tokenizer, link: LocalDrafterLink | None = None
+               ) -> None:
         s = self.settings
-        link = None
-        if s.drafter:
+        if link is None and s.drafter:
             link = DrafterLink(s.drafter, self.metrics, s.drafter_channel, step_timeout=s.step_timeout)
         self.scheduler = Scheduler(engine, tokenizer, self.metrics, s.scheduler, link)
         self.scheduler.start()

@@ -60,20 +60,22 @@ class HandshakeRequest(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., feature_dim: _Optional[int] = ..., num_layers: _Optional[int] = ...) -> None: ...
 
 class DrafterInfo(_message.Message):
-    __slots__ = ("head", "feature_dim", "aux_layers", "max_num_drafts", "max_requests", "feature_dtype")
+    __slots__ = ("head", "feature_dim", "aux_layers", "max_num_drafts", "max_requests", "feature_dtype", "max_branches")
     HEAD_FIELD_NUMBER: _ClassVar[int]
     FEATURE_DIM_FIELD_NUMBER: _ClassVar[int]
     AUX_LAYERS_FIELD_NUMBER: _ClassVar[int]
     MAX_NUM_DRAFTS_FIELD_NUMBER: _ClassVar[int]
     MAX_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     FEATURE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    MAX_BRANCHES_FIELD_NUMBER: _ClassVar[int]
     head: str
     feature_dim: int
     aux_layers: _containers.RepeatedScalarFieldContainer[int]
     max_num_drafts: int
     max_requests: int
     feature_dtype: DType
-    def __init__(self, head: _Optional[str] = ..., feature_dim: _Optional[int] = ..., aux_layers: _Optional[_Iterable[int]] = ..., max_num_drafts: _Optional[int] = ..., max_requests: _Optional[int] = ..., feature_dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
+    max_branches: int
+    def __init__(self, head: _Optional[str] = ..., feature_dim: _Optional[int] = ..., aux_layers: _Optional[_Iterable[int]] = ..., max_num_drafts: _Optional[int] = ..., max_requests: _Optional[int] = ..., feature_dtype: _Optional[_Union[DType, str]] = ..., max_branches: _Optional[int] = ...) -> None: ...
 
 class HandshakeResponse(_message.Message):
     __slots__ = ("ok", "message", "drafter", "protocol_version")
@@ -122,18 +124,22 @@ class RequestUpdate(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., new_request: _Optional[_Union[NewRequest, _Mapping]] = ..., accepted: _Optional[_Union[Accepted, _Mapping]] = ..., free: _Optional[_Union[Free, _Mapping]] = ...) -> None: ...
 
 class DraftWant(_message.Message):
-    __slots__ = ("request_id", "num_drafts", "temperature", "top_k", "seed")
+    __slots__ = ("request_id", "num_drafts", "temperature", "top_k", "seed", "num_branches", "verifying_branch")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFTS_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    NUM_BRANCHES_FIELD_NUMBER: _ClassVar[int]
+    VERIFYING_BRANCH_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     num_drafts: int
     temperature: float
     top_k: int
     seed: int
-    def __init__(self, request_id: _Optional[str] = ..., num_drafts: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
+    num_branches: int
+    verifying_branch: int
+    def __init__(self, request_id: _Optional[str] = ..., num_drafts: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., num_branches: _Optional[int] = ..., verifying_branch: _Optional[int] = ...) -> None: ...
 
 class DraftStep(_message.Message):
     __slots__ = ("step_id", "updates", "wants")
@@ -153,19 +159,31 @@ class SparseProbs(_message.Message):
     values: Tensor
     def __init__(self, indices: _Optional[_Union[Tensor, _Mapping]] = ..., values: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
+class Branch(_message.Message):
+    __slots__ = ("index", "accepted", "bonus_token_id")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    BONUS_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    accepted: int
+    bonus_token_id: int
+    def __init__(self, index: _Optional[int] = ..., accepted: _Optional[int] = ..., bonus_token_id: _Optional[int] = ...) -> None: ...
+
 class Proposal(_message.Message):
-    __slots__ = ("request_id", "draft_token_ids", "probs_kind", "probs", "sparse")
+    __slots__ = ("request_id", "draft_token_ids", "probs_kind", "probs", "sparse", "branch")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PROBS_KIND_FIELD_NUMBER: _ClassVar[int]
     PROBS_FIELD_NUMBER: _ClassVar[int]
     SPARSE_FIELD_NUMBER: _ClassVar[int]
+    BRANCH_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
     probs_kind: ProbsKind
     probs: Tensor
     sparse: SparseProbs
-    def __init__(self, request_id: _Optional[str] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., probs_kind: _Optional[_Union[ProbsKind, str]] = ..., probs: _Optional[_Union[Tensor, _Mapping]] = ..., sparse: _Optional[_Union[SparseProbs, _Mapping]] = ...) -> None: ...
+    branch: Branch
+    def __init__(self, request_id: _Optional[str] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., probs_kind: _Optional[_Union[ProbsKind, str]] = ..., probs: _Optional[_Union[Tensor, _Mapping]] = ..., sparse: _Optional[_Union[SparseProbs, _Mapping]] = ..., branch: _Optional[_Union[Branch, _Mapping]] = ...) -> None: ...
 
 class DraftResult(_message.Message):
     __slots__ = ("step_id", "proposals", "error", "compute_seconds", "dropped_request_ids")

@@ -1,0 +1,130 @@
+"""Speculation-cache tables (EagleProposer.draft_branches): branches scored and drafted against a from-scratch
+reference, the committed K/V rewritten with the target's features after a hit, exact q for sampled branches,
+refused mismatches, slots returned; (GPU) CUDA-graph replay against eager."""
+
+import pytest
+import torch
+from specwire.drafter.proposer import ProposerError
+from test_drafter_head import VOCAB
+from test_drafter_proposer import Setup
+
+K, N = 3, 5
+
+
+def greedy_branch(s: Setup, rid: str, prefix: list[int], bonus: int, k: int) -> list[int]:
+    """The reference chain after appending prefix + [bonus] with the head's own features."""
+    drafts = []
+    for _ in range(k):
+        logits = s.chain_logits(rid, [*prefix, bonus, *drafts])[-1]
+        drafts.append(int(s.to_target(logits.argmax())))
+    return drafts
+
+
+def first_table(s: Setup, rid: str, n: int = N):
+    table = s.proposer.draft_branches([rid], [None], [n], [K], [0.0], [0])[0]
+    q = torch.softmax(s.chain_logits(rid, [])[-1], -1)
+    return table, q
+
+
+@pytest.mark.parametrize("arch", ["eagle1", "eagle3"])
+def test_first_table_holds_the_likeliest_bonus_tokens_and_their_chains(tmp_path, arch):
+    s = Setup(tmp_path, arch, max_branches=N)
+    s.add("a", 7)
+    table, q = first_table(s, "a")
+    want = s.to_target(q.topk(N).indices).tolist()  # nothing is in flight: only a = 0 outcomes
+    assert [b.accepted for b in table] == [0] * N and [b.bonus for b in table] == want
+    for b in table:
+        assert b.q_indices is None and b.token_ids == greedy_branch(s, "a", [], b.bonus, K)
+
+
+@pytest.mark.parametrize("arch", ["eagle1", "eagle3"])
+def test_a_hit_commits_target_features_and_scores_every_outcome_of_the_check_in_flight(tmp_path, arch):
+    s = Setup(tmp_path, arch, max_branches=N)
+    s.add("a", 6)
+    table, _ = first_table(s, "a")
+    hit = table[2]
+    # The verifier settled hit.bonus (with the target's feature of the position before it) and now checks
+    # hit's drafts.
+    feature = torch.randn(1, s.head.config.feature_dim, generator=s.g)
+    s.proposer.update("a", [hit.bonus], feature)
+    ids, feats = s.history["a"]
+    s.history["a"] = (ids + [hit.bonus], torch.cat([feats, feature]))
+    free_before = len(s.proposer._free_slots)
+    table2 = s.proposer.draft_branches(["a"], [2], [N], [K], [0.0], [0])[0]
+    assert len(s.proposer._free_slots) == free_before + (N - 1) + 1 - len(table2)  # old table, old main slot
+    outcomes = {(b.accepted, b.bonus) for b in table2}
+    assert len(outcomes) == len(table2) == N
+    for b in table2:
+        assert 0 <= b.accepted <= K
+        if b.accepted < K:  # the target rejected draft a + 1, so it is not the bonus
+            assert b.bonus != hit.token_ids[b.accepted]
+    # a = 0 outcomes read the committed output, which now sees the target's feature for hit.bonus: exact.
+    for b in table2:
+        if b.accepted == 0:
+            assert b.token_ids == greedy_branch(s, "a", [], b.bonus, K)
+
+
+@pytest.mark.parametrize("arch", ["eagle1", "eagle3"])
+def test_sampled_branches_ship_the_exact_top_k_q(tmp_path, arch):
+    s = Setup(tmp_path, arch, max_branches=N)
+    s.add("a", 5)
+    t, tk = 0.8, 4
+    table = s.proposer.draft_branches(["a"], [None], [N], [K], [t], [tk])[0]
+    for b in table:
+        logits = s.chain_logits("a", [b.bonus, *b.token_ids])[1:]
+        for j in range(K):
+            top = torch.softmax(logits[j] / t, -1).topk(tk)
+            want = torch.zeros(VOCAB).index_put_((s.to_target(top.indices),), top.values / top.values.sum())
+            used = b.q_indices[j] >= 0
+            got = torch.zeros(VOCAB).index_put_((b.q_indices[j][used],), b.q_values[j][used])
+            torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-4)
+            assert b.token_ids[j] in b.q_indices[j][used].tolist()
+
+
+def test_a_branch_that_does_not_match_the_settled_tokens_is_refused(tmp_path):
+    s = Setup(tmp_path, "eagle3", max_branches=N)
+    s.add("a", 6)
+    table, _ = first_table(s, "a")
+    wrong = next(t for t in range(VOCAB) if t != table[1].bonus)
+    s.proposer.update("a", [wrong], torch.randn(1, s.head.config.feature_dim))
+    with pytest.raises(ProposerError, match="do not match branch 1"):
+        s.proposer.draft_branches(["a"], [1], [N], [K], [0.0], [0])
+    with pytest.raises(ProposerError, match="no branch 9"):
+        s.proposer.draft_branches(["a"], [9], [N], [K], [0.0], [0])
+
+
+def test_free_returns_every_branch_slot(tmp_path):
+    s = Setup(tmp_path, "eagle1", max_branches=N)
+    total = len(s.proposer._free_slots)
+    for rid in "abc":
+        s.add(rid, 5)
+    s.proposer.draft_branches(list("abc"), [None] * 3, [N, 2, 0], [K, K, K], [0.0] * 3, [0] * 3)
+    assert len(s.proposer._free_slots) == total - 3 - N - 2
+    for rid in "abc":
+        s.proposer.free(rid)
+    assert sorted(s.proposer._free_slots) == list(range(total))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_branch_graph_replay_matches_eager(tmp_path, temperature):
+    tables = []
+    for graphs in (False, True):
+        s = Setup(tmp_path, "eagle3", device="cuda", max_branches=N, cuda_graphs=graphs, max_requests=6)
+        for rid, n in [("a", 9), ("b", 3), ("c", 12)]:
+            s.add(rid, n)
+        tk = 4 if temperature else 0
+        first = s.proposer.draft_branches(list("abc"), [None] * 3, [N, 3, N], [K, 2, K], [temperature] * 3,
+                                          [tk] * 3)
+        # every request hits its first branch; then a second table
+        for rid, table in zip("abc", first, strict=True):
+            feature = torch.randn(1, s.head.config.feature_dim, generator=s.g).cuda()
+            s.proposer.update(rid, [table[0].bonus], feature)
+        second = s.proposer.draft_branches(list("abc"), [0, 0, 0], [N, 3, N], [K, 2, K], [temperature] * 3,
+                                           [tk] * 3)
+        tables.append([[(b.accepted, b.bonus, b.token_ids) for b in t] for t in first + second])
+    if temperature == 0:
+        assert tables[0] == tables[1]
+    else:  # sampled drafts differ by the random stream, so only the first tables' outcomes must agree
+        assert [[x[:2] for x in t] for t in tables[0][:3]] == [[x[:2] for x in t] for t in tables[1][:3]]
