@@ -69,10 +69,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="forced mean acceptance lengths of the synthetic workload, first = first measured")
     p.add_argument("--verifier-args", default="",
                    help="more flags for the smollm2 workload's speculative verifiers ('--cache-branches 0')")
-    p.add_argument("--synthetic-verifier-args", default="--cache-branches 0",
+    p.add_argument("--synthetic-verifier-args", default="--cache-branches 0 --aux-layers none",
                    help="more flags for the synthetic workload's speculative verifiers (default: serial "
-                        "drafting: a random head's speculation-cache lookups all miss; once the verifier has "
-                        "--forced-hit-rate, pass e.g. '--forced-hit-rate 0.8')")
+                        "drafting, since a random head's speculation-cache lookups all miss, and no "
+                        "EAGLE-3 taps, which its EAGLE-1 head does not read; once the verifier has "
+                        "--forced-hit-rate, e.g. '--forced-hit-rate 0.8 --aux-layers none')")
     p.add_argument("--prompts", default=str(DEFAULT_PROMPTS), help="JSONL prompt file")
     p.add_argument("--prompt-source", default="self_instruct",
                    help="keep rows whose 'source' starts with this ('' = all; rows without one are kept)")
@@ -93,7 +94,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=128, help="tokens per request")
     p.add_argument("--repeats", type=int, default=2, help="batches per point")
     p.add_argument("--max-context", type=int, default=1024, help="services' KV positions per request")
-    p.add_argument("--aux-layers", default="none", help="verifier --aux-layers (EAGLE-1 heads read none)")
     p.add_argument("--drafter-device", default=None)
     p.add_argument("--verifier-device", default=None)
     p.add_argument("--client-processes", type=int, default=min(8, (os.cpu_count() or 1) // 4),
@@ -315,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     plan = jobs(args, ws)
     max_batch = max([*args.batch_sizes, *args.sweep_batch_sizes])
     fleet = Fleet(Devices(args.drafter_device, args.verifier_device), max_batch,
-                  max([*args.ks, *args.sweep_ks]), args.max_context, args.aux_layers)
+                  max([*args.ks, *args.sweep_ks]), args.max_context)
     rows: dict[str, list[dict]] = {w.name: [] for w in ws}
     skipped: dict[str, list[dict]] = {w.name: [] for w in ws}
     unavailable: dict[str, str] = {}  # setup -> why the services refused it

@@ -53,7 +53,8 @@ def round_split(delta: Delta, wall: float) -> dict[str, float | None]:
     thread), drafter_round_trip (the RPC as the verifier timed it), draft (the drafter's compute),
     transport (round trip - draft: the gRPC hop and both services' Python around it) and host (wall - verify
     - round trip: the verifier's event loop and what the overlap did not hide; negative when drafting
-    overlapped verification)."""
+    overlapped verification) and not_verify (wall - verify: everything on the critical path but the
+    verification itself, whatever overlapped)."""
     steps = delta.get("verifier", "specwire_verify_step_seconds_count")
     verify = delta.mean_ms("verifier", "specwire_verify_step_seconds")
     trip = delta.mean_ms("verifier", "specwire_drafter_rpc_latency_seconds")
@@ -63,6 +64,7 @@ def round_split(delta: Delta, wall: float) -> dict[str, float | None]:
            "transport": trip - draft if trip is not None and draft is not None else None}
     known = [v for v in (verify, trip) if v is not None]
     out["host"] = out["wall"] - sum(known) if out["wall"] is not None and known else None
+    out["not_verify"] = out["wall"] - verify if out["wall"] is not None and verify is not None else None
     return out
 
 

@@ -59,10 +59,10 @@ class Devices:
 class Fleet:
     """The processes of one bench run: drafters kept per workload, verifiers started per configuration."""
 
-    def __init__(self, devices: Devices, max_batch: int, max_k: int, max_context: int, aux_layers: str,
+    def __init__(self, devices: Devices, max_batch: int, max_k: int, max_context: int,
                  startup_timeout: float = 240):
         self.devices, self.max_batch, self.max_k = devices, max_batch, max_k
-        self.max_context, self.aux_layers, self.timeout = max_context, aux_layers, startup_timeout
+        self.max_context, self.timeout = max_context, startup_timeout
         self.logs = Path(tempfile.mkdtemp(prefix="specwire-bench-"))
         self.drafters: dict[str, Service] = {}
         self.metrics_ports: dict[str, int] = {}  # service name -> its /metrics port
@@ -95,7 +95,7 @@ class Fleet:
         """A verifier for one configuration (stop it with `stop` when its points are measured)."""
         argv = ["verifier", "--model", w.model, *self.devices.flag("verifier"),
                 "--k", str(0 if setup == "target_only" else k), "--max-slots", str(self.max_batch),
-                "--max-context", str(self.max_context), "--aux-layers", self.aux_layers]
+                "--max-context", str(self.max_context)]
         if setup == "two_gpus":
             argv += ["--drafter", f"127.0.0.1:{self.drafter(w).port}"]
         elif setup == "colocated":
