@@ -223,7 +223,7 @@ class EagleProposer:
         if (size, mode) in self.graphs:
             self.graphs[size, mode].replay()
         else:
-            self._draft_loop(size, mode)
+            self._draft_loop(size, mode, steps=max(ks))  # eager: no step past the longest chain
         for r in requests:
             r.num_cached += r.num_pending
             r.pending_tokens, r.pending_features = [], []
@@ -285,7 +285,7 @@ class EagleProposer:
             index = torch.tensor(flat_rows).to(self.device, non_blocking=True)
             self._features.view(-1, self._features.shape[-1]).index_copy_(0, index, feats)
 
-    def _draft_loop(self, size: int, mode: str) -> None:
+    def _draft_loop(self, size: int, mode: str, steps: int | None = None) -> None:
         """The graph body: first step over the pending pairs, then max_drafts - 1 single-token steps.
 
         Per-step metadata comes from the per-row block: step j feeds position start + pending + j - 1, one
@@ -299,7 +299,8 @@ class EagleProposer:
         last = torch.arange(size, device=self.device) * T + (pending.long() - 1).clamp_min(0)
         hidden = out.flatten(0, 1).index_select(0, last)  # pad rows gather index 0*T + 0
         position = start + pending
-        for j in range(self.max_drafts):
+        steps = self.max_drafts if steps is None else max(steps, 1)
+        for j in range(steps):
             sample = sample_drafts(head.logits(hidden), self._temperature[:size], top_k, self.max_top_k, mode)
             tokens = sample.tokens if head.draft_to_target is None else head.draft_to_target[sample.tokens]
             self._tokens[:size, j].copy_(tokens)
@@ -308,7 +309,7 @@ class EagleProposer:
                 self._top_q[:size, j].copy_(sample.top_q)
             if sample.full_q is not None:
                 self._full_q[:size, j].copy_(sample.full_q)
-            if j + 1 == self.max_drafts:
+            if j + 1 == steps:
                 break
             live = (drafts > j + 1).int()
             hidden = head(tokens[:, None], hidden[:, None], position, live, slots, kc, vc, own_features=True)[
@@ -452,13 +453,14 @@ class EagleProposer:
             self.graphs[size, mode].replay()
         else:  # eager: copy only the prefix any branch can see
             longest = max(r.num_cached + r.num_pending + len(r.verifying) for r in requests)
-            self._branch_loop(size, mode.removeprefix("branch_"), copy_len=longest)
+            self._branch_loop(size, mode.removeprefix("branch_"), copy_len=longest, steps=max(ks))
         for r in requests:
             r.num_cached += r.num_pending
             r.pending_tokens, r.pending_features = [], []
         return self._branch_tables(requests, slots, counts, ks, temperature)
 
-    def _branch_loop(self, size: int, mode: str, copy_len: int | None = None) -> None:
+    def _branch_loop(self, size: int, mode: str, copy_len: int | None = None, steps: int | None = None
+                     ) -> None:
         """The branch-table graph body: commit the pending pairs, score the outcomes, copy each chosen
         branch's prefix into its slot, then feed its bonus and draft (max_drafts + 1 single-token steps: the
         last only leaves the head's output after the last draft, for the next table's scores)."""
@@ -502,13 +504,14 @@ class EagleProposer:
         self._br_accepted[:rows].copy_(accepted)
         self._br_bonus[:rows].copy_(token)
         self._br_score[:rows].copy_(score.flatten())
-        for j in range(K + 1):
+        steps = K if steps is None else steps  # eager runs stop at the longest chain asked for
+        for j in range(steps + 1):
             live = (k_row >= max(j, 1)).int()
             feature = head(token[:, None], feature[:, None], position + j, live, head_slots, kc, vc,
                            own_features=True)[:, 0]
             if j > 0:
                 self._slot_hidden[:, j - 1].index_copy_(0, branch_slots, feature)
-            if j == K:
+            if j == steps:
                 break
             sample = sample_drafts(head.logits(feature), row_temperature, row_top_k, self.max_top_k, mode)
             self._slot_draft_ids[:, j].index_copy_(0, branch_slots, sample.tokens)

@@ -13,6 +13,7 @@ import functools
 import torch
 
 from specwire.drafter.cli import build_proposer
+from specwire.drafter.eagle_head import shared_target_weights
 from specwire.drafter.server import DrafterService
 from specwire.engine import TargetEngine
 from specwire.metrics import DrafterMetrics, VerifierMetrics
@@ -25,8 +26,7 @@ def colocated_link(engine: TargetEngine, tokenizer: Tokenizer, metrics: Verifier
                    step_timeout: float = 1.0) -> LocalDrafterLink:
     """A drafter for `engine`'s requests on `device` (default: the engine's), sharing its embedding and
     lm_head (copied when on another device)."""
-    model = engine.model
-    shared = {"model.embed_tokens.weight": model.embed_tokens.weight, "lm_head.weight": model.lm_head.weight}
+    shared = shared_target_weights(engine.model)
     args = argparse.Namespace(
         head=head, device=device or str(engine.device), dtype=None, max_requests=engine.max_slots,
         max_context=engine.max_context, max_drafts=max(k, 1), max_top_k=64, max_branches=max_branches,

@@ -122,6 +122,11 @@ class VerifierMetrics(_ServiceMetrics):
             "Draft tokens accepted at each draft position (0-based).",
             ["position"],
         )
+        self.num_draft_tokens_per_pos = c(
+            "spec_decode_num_draft_tokens_per_pos",
+            "Draft tokens verified at each draft position (0-based), per-position acceptance's denominator.",
+            ["position"],
+        )
         self.prompt_tokens = c("prompt_tokens", "Prompt tokens prefilled.")
         self.generation_tokens = c("generation_tokens", "Tokens generated.")
         self.requests_finished = c(
@@ -157,6 +162,7 @@ class VerifierMetrics(_ServiceMetrics):
         )
         self.cache = {r: self.spec_cache_lookups.labels(result=r) for r in ("hit", "miss", "late")}
         self._accepted_at: list[Counter] = []  # num_accepted_tokens_per_pos children, bound when first seen
+        self._drafted_at: list[Counter] = []  # num_draft_tokens_per_pos children, likewise
 
     def observe_verification(self, num_draft_tokens: Sequence[int], num_accepted: Sequence[int]) -> None:
         """Counts one verify step: per request, the draft tokens it verified and how many were accepted."""
@@ -168,10 +174,13 @@ class VerifierMetrics(_ServiceMetrics):
         self.num_drafts.inc(drafts)
         self.num_draft_tokens.inc(sum(num_draft_tokens))
         self.num_accepted_tokens.inc(sum(num_accepted))
-        longest = max(num_accepted, default=0)
+        longest = max(num_draft_tokens, default=0)
         while len(self._accepted_at) < longest:
-            self._accepted_at.append(self.num_accepted_tokens_per_pos.labels(position=str(len(self._accepted_at))))
-        for position in range(longest):  # requests that accepted more than `position` drafts
+            position = str(len(self._accepted_at))
+            self._accepted_at.append(self.num_accepted_tokens_per_pos.labels(position=position))
+            self._drafted_at.append(self.num_draft_tokens_per_pos.labels(position=position))
+        for position in range(longest):  # requests that drafted / accepted more than `position` drafts
+            self._drafted_at[position].inc(sum(drafted > position for drafted in num_draft_tokens))
             self._accepted_at[position].inc(sum(accepted > position for accepted in num_accepted))
 
 

@@ -1,5 +1,6 @@
 """`specwire bench --local` on a tiny random target: end to end; greedy output equals target-only output."""
 
+import asyncio
 import json
 
 import pytest
@@ -8,7 +9,7 @@ from specwire.drafter.eagle_head import EagleHead, EagleHeadConfig, save_eagle_h
 from test_drafter_train import write_tiny_target
 
 from specwire.cli import main
-from specwire.commands.bench import SpecDecoder, build_local
+from specwire.commands.bench import build_engine, speculate
 from specwire.sampling_params import SamplingParams
 from specwire.weights import load_checkpoint
 
@@ -73,20 +74,25 @@ def test_bench_local_prints_acceptance_json(setup, capsys, arch, temperature):
     assert out["tokens"] <= 2 * 12 and out["draft_tokens"] >= out["accepted_tokens"]
 
 
-@pytest.mark.parametrize("arch", ["eagle1", "eagle3"])
-def test_greedy_speculative_output_equals_target_only(setup, arch):
+@pytest.mark.parametrize("arch,cache_branches", [("eagle1", 0), ("eagle3", 4)])
+def test_greedy_speculative_output_equals_target_only(setup, arch, cache_branches):
     target, heads, prompts = setup
-    engine, proposer = build_local(str(target), str(heads[arch]), "cpu", batch=3, k=4)
-    tok = engine.tokenizer
+    engine, tok = build_engine(str(target), str(heads[arch]), "cpu", batch=3, k=4)
     ids = [
         tok.encode(tok.apply_chat_template([{"role": "user", "content": p}]))
         for p in ("Hello there", "Count to five.", "Why is the sky blue?", "Name a colour.")
     ]
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (20, 7, 13, 1)]
-    stats = SpecDecoder(engine, proposer, k=4, draft_top_k=0).run(ids, params)
+    run = asyncio.run(speculate(engine, tok, str(heads[arch]), ids, params, k=4,
+                                cache_branches=cache_branches, draft_top_k=0))
     want = [r.token_ids for r in engine.generate(ids, params)]
-    assert stats.outputs == want
-    assert stats.draft_tokens > 0 and not proposer.requests and engine.num_free_slots == 3
+    assert run.outputs == want
+    stats = run.summary()
+    assert engine.num_free_slots == 3
+    if cache_branches:  # a random head's guesses at the bonus token rarely hit: the tables were looked up
+        assert stats["cache_hit_rate"] is not None
+    else:
+        assert stats["draft_tokens"] > 0 and stats["cache_hit_rate"] is None
 
 
 def test_bench_needs_local(setup, capsys):

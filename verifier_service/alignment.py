@@ -200,8 +200,9 @@ class Table:
 def read_tables(result: pb.DraftResult, wants: dict[str, tuple[Want, int, int]], vocab_size: int
                 ) -> tuple[dict[str, Table], AlignedResult]:
     """Checks every table entry of `result`. wants: request id -> (its want, the most branches asked for,
-    the drafts its verification in flight checks). An entry must name a possible outcome of that check,
-    once, and carry drafts that decode_proposal accepts; a bad entry is dropped alone."""
+    the drafts its verification in flight checks). An entry must name an outcome once, with a bonus token in
+    the vocabulary and drafts that decode_proposal accepts; a bad entry is dropped alone. Entries for more
+    accepted drafts than are checked (the verifier cut them short) are skipped."""
     tables: dict[str, Table] = {}
     aligned = AlignedResult()
     for proposal in result.proposals:
@@ -216,9 +217,11 @@ def read_tables(result: pb.DraftResult, wants: dict[str, tuple[Want, int, int]],
         try:
             if len(table.entries) >= most:
                 raise ProposalError(f"proposal {rid!r}: more than the {most} branches asked for")
-            if branch.accepted > checked or branch.bonus_token_id >= vocab_size:
-                raise ProposalError(f"proposal {rid!r}: branch ({branch.accepted} accepted, bonus "
-                                    f"{branch.bonus_token_id}) cannot follow a check of {checked} drafts")
+            if branch.bonus_token_id >= vocab_size:
+                raise ProposalError(f"proposal {rid!r}: bonus token id {branch.bonus_token_id} out of range "
+                                    f"[0, {vocab_size})")
+            if branch.accepted > checked:  # the verifier cut the drafts short (room): it cannot happen
+                continue
             if outcome in table.entries:
                 raise ProposalError(f"proposal {rid!r}: a second branch for outcome {outcome}")
             table.entries[outcome] = (branch.index, decode_proposal(proposal, want, vocab_size))

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import secrets
 import time
 import uuid
@@ -138,6 +139,10 @@ class SchedulerConfig:
     # verification's time (a hit saves a round of drafting, a long wait loses what it saves).
     table_wait: float | None = None
     forced_acceptance: tuple[float, ...] | None = None  # benchmarks only: acceptance rate per draft position
+    # Benchmarks of synthetic targets only: this share of lookups is made to hit by replacing the settled
+    # bonus token with that of an entry for the same number of accepted drafts (the output is then not the
+    # target's). Lets a random head show what hits cost and save.
+    forced_hit_rate: float | None = None
 
 
 class _Readback:
@@ -195,6 +200,7 @@ class Scheduler:
         self._frees: list[str] = []  # requests the drafter knows that left the batch
         self._in_flight: tuple[asyncio.Future, dict[str, Want]] | None = None  # serial mode's sent step
         self._verify_seconds = 0.0  # wall time of the last verification, launch to tokens
+        self._forcing = random.Random(0)  # forced_hit_rate's draws
         self._feature_columns: torch.Tensor | slice | None = None
         self._feature_dtype = torch.float32
         self._readback = _Readback()  # the worker's feature table on its way to the host
@@ -381,6 +387,8 @@ class Scheduler:
                 r.features.append(step.features[i])
             r.next_drafts = r.next_branch = None
             if r.live:  # an abort that came in during the step wins: nothing more is streamed
+                if r.id in wanted and tables is not None and self.config.forced_hit_rate is not None:
+                    self._force_hit(tables.get(r.id, Table()), step.tokens[i])
                 settled.append((r, self._settle(r, step.tokens[i])))
                 if r.id in wanted and r.live:
                     self._look_up(r, tables, step.tokens[i])
@@ -420,6 +428,14 @@ class Scheduler:
         self._count_bad(aligned)
         self._apply_dropped(result)
         return tables
+
+    def _force_hit(self, table: Table, tokens: list[int]) -> None:
+        """forced_hit_rate: rewrites the bonus token (the last of `tokens`) to an entry's, at that rate."""
+        accepted = len(tokens) - 1
+        if (accepted, tokens[-1]) in table.entries or self._forcing.random() >= self.config.forced_hit_rate:
+            return
+        if bonuses := [bonus for a, bonus in table.entries if a == accepted]:
+            tokens[-1] = self._forcing.choice(bonuses)
 
     def _look_up(self, r: Request, tables: dict[str, Table] | None, tokens: list[int]) -> None:
         """Picks the table entry for the outcome the sampler just settled: `tokens` are the accepted drafts

@@ -1,22 +1,22 @@
-"""`specwire bench --local`: in-process speculative decoding (TargetEngine verify + EagleProposer +
-rejection_sample) over a prompt file; prints acceptance statistics as one JSON object.
+"""`specwire bench --local`: speculative decoding in one process over a prompt file, through the verifier's
+own Scheduler with the drafter co-located behind the in-process link; prints acceptance statistics as one
+JSON object.
 
-acceptance_per_position[j] is the share of drafting rounds with at least j + 1 drafts in which draft j + 1
-was accepted; mean_acceptance_length is the mean number of tokens a target step produced (accepted + 1)
-over rounds that drafted at least one token.
+acceptance_per_position[j] is the share of verified drafts at position j + 1 that were accepted;
+mean_acceptance_length is the mean number of tokens a verification produced (accepted + 1) over the
+verifications that checked at least one draft. With --cache-branches > 0 the drafts come from
+speculation-cache tables (the cache's hit rate is reported); by default they are drafted for the settled
+tokens each round, which measures the head alone.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
-import secrets
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-import torch
-
-from specwire.kernels.rejection_sampler import rejection_sample
 from specwire.sampling_params import SamplingParams
 
 
@@ -39,8 +39,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--model", default=None, help="GGUF file or Hugging Face directory (default: SmolLM2)"
     )
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
-    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-cuda-graphs", action="store_true", help="target decode and drafter eager")
+    parser.add_argument(
+        "--cache-branches",
+        type=int,
+        default=0,
+        help="speculation-cache table entries per request (default 0: draft each round)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -51,6 +56,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--k must be in [1, 16], got {args.k}")
     if args.batch < 1:
         raise ValueError(f"--batch must be >= 1, got {args.batch}")
+    if args.cache_branches < 0:
+        raise ValueError(f"--cache-branches must be >= 0, got {args.cache_branches}")
     SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens).validate()
     from specwire.drafter.self_distill import read_prompts
 
@@ -58,21 +65,30 @@ def run(args: argparse.Namespace) -> int:
     prompts = prompts[: args.limit] if args.limit else prompts
     if not prompts:
         raise ValueError(f"no prompts in {args.prompts}")
-    engine, proposer = build_local(
+    engine, tokenizer = build_engine(
         args.model, args.head, args.device, args.batch, args.k, cuda_graphs=not args.no_cuda_graphs
     )
-    tok = engine.tokenizer
-    ids = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}])) for p in prompts]
-    params = [
-        SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed + i)
-        for i in range(len(ids))
-    ]
-    stats = SpecDecoder(engine, proposer, args.k, args.draft_top_k).run(ids, params).summary()
-    stats |= {
+    ids = [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": p}])) for p in prompts]
+    params = [SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)] * len(ids)
+    result = asyncio.run(
+        speculate(
+            engine,
+            tokenizer,
+            args.head,
+            ids,
+            params,
+            k=args.k,
+            cache_branches=args.cache_branches,
+            draft_top_k=args.draft_top_k,
+            cuda_graphs=not args.no_cuda_graphs,
+        )
+    )
+    stats = result.summary() | {
         "prompts": len(ids),
         "k": args.k,
         "temperature": args.temperature,
         "batch": args.batch,
+        "cache_branches": args.cache_branches,
         "device": str(engine.device),
     }
     if args.json:
@@ -83,215 +99,120 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_local(
+def build_engine(
     model: str | None, head_path: str | None, device: str | None, batch: int, k: int, cuda_graphs: bool = True
 ):
-    """(TargetEngine, EagleProposer) sharing the target's embedding and lm_head."""
+    """(TargetEngine tapping the layers the head reads, its tokenizer)."""
     from specwire.default_model import resolve_model_path
-    from specwire.drafter.eagle_head import (
-        DEFAULT_HEAD,
-        head_aux_layers,
-        load_eagle_head,
-        shared_target_weights,
-    )
-    from specwire.drafter.proposer import EagleProposer
+    from specwire.drafter.eagle_head import DEFAULT_HEAD, head_aux_layers
     from specwire.engine import TargetEngine
     from specwire.tokenizer import load_tokenizer
     from specwire.weights import load_checkpoint
 
     path = resolve_model_path(model)
-    head_path = head_path or DEFAULT_HEAD
     config, state_dict = load_checkpoint(path)
     engine = TargetEngine(
         device=device,
         max_slots=batch,
         cuda_graphs=cuda_graphs,
         checkpoint=(config, state_dict),
-        aux_layers=head_aux_layers(head_path, config),
+        aux_layers=head_aux_layers(head_path or DEFAULT_HEAD, config),
         max_verify_tokens=k + 1,
     )
-    del state_dict
     engine.tokenizer = load_tokenizer(path)
-    head = load_eagle_head(
-        head_path,
-        engine.config,
-        shared_target_weights(engine.model),
-        dtype=engine.dtype,
-        device=engine.device,
-        max_positions=engine.max_context,
-    )
-    proposer = EagleProposer(
-        head, max_requests=batch, max_context=engine.max_context, max_drafts=k, cuda_graphs=cuda_graphs
-    )
-    return engine, proposer
+    return engine, engine.tokenizer
 
 
 @dataclass
-class _Request:
-    rid: str
-    prompt: list[int]
-    params: SamplingParams
-    seed: int
-    slot: int = -1
-    output: list[int] = field(default_factory=list)
-    done: bool = False
+class LocalRun:
+    """Outputs per prompt and the verifier's own counters after a run."""
 
-    @property
-    def length(self) -> int:
-        return len(self.prompt) + len(self.output)
+    outputs: list[list[int]]
+    seconds: float
+    metrics: object  # VerifierMetrics
 
-
-@dataclass
-class SpecStats:
-    k: int
-    rounds: int = 0
-    drafted_rounds: int = 0
-    emitted_in_drafted_rounds: int = 0
-    draft_tokens: int = 0
-    accepted_tokens: int = 0
-    tokens: int = 0
-    seconds: float = 0.0
-    proposed_at: list[int] = field(default_factory=list)
-    accepted_at: list[int] = field(default_factory=list)
-    outputs: list[list[int]] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        self.proposed_at, self.accepted_at = [0] * self.k, [0] * self.k
+    def _value(self, name: str, **labels) -> float:
+        return self.metrics.registry.get_sample_value(f"specwire_{name}_total", labels or None) or 0.0
 
     def summary(self) -> dict:
+        drafts = self._value("spec_decode_num_drafts")
+        draft_tokens = self._value("spec_decode_num_draft_tokens")
+        accepted = self._value("spec_decode_num_accepted_tokens")
+        per_position, j = [], 0
+        while drafted := self._value("spec_decode_num_draft_tokens_per_pos", position=str(j)):
+            per_position.append(
+                round(self._value("spec_decode_num_accepted_tokens_per_pos", position=str(j)) / drafted, 4)
+            )
+            j += 1
+        lookups = {r: self._value("spec_cache_lookups", result=r) for r in ("hit", "miss", "late")}
+        tokens = sum(len(o) for o in self.outputs)
         return {
-            "mean_acceptance_length": round(self.emitted_in_drafted_rounds / max(self.drafted_rounds, 1), 4),
-            "acceptance_per_position": [
-                round(a / p, 4) if p else None
-                for a, p in zip(self.accepted_at, self.proposed_at, strict=True)
-            ],
-            "acceptance_rate": round(self.accepted_tokens / max(self.draft_tokens, 1), 4),
-            "rounds": self.rounds,
-            "drafts": self.drafted_rounds,
-            "draft_tokens": self.draft_tokens,
-            "accepted_tokens": self.accepted_tokens,
-            "tokens": self.tokens,
+            "mean_acceptance_length": round(1 + accepted / drafts, 4) if drafts else 1.0,
+            "acceptance_per_position": per_position,
+            "acceptance_rate": round(accepted / draft_tokens, 4) if draft_tokens else 0.0,
+            "drafts": int(drafts),
+            "draft_tokens": int(draft_tokens),
+            "accepted_tokens": int(accepted),
+            "cache_hit_rate": round(lookups["hit"] / sum(lookups.values()), 4)
+            if any(lookups.values())
+            else None,
+            "tokens": tokens,
             "seconds": round(self.seconds, 3),
-            "tokens_per_s": round(self.tokens / self.seconds, 2) if self.seconds else 0.0,
+            "tokens_per_s": round(tokens / self.seconds, 2) if self.seconds else 0.0,
         }
 
 
-class SpecDecoder:
-    """Continuous-batching speculative decoding, in one process: admit -> (propose, verify, accept)*."""
+async def speculate(
+    engine,
+    tokenizer,
+    head: str | None,
+    prompts: list[list[int]],
+    params: list[SamplingParams],
+    k: int,
+    cache_branches: int = 0,
+    draft_top_k: int = 32,
+    cuda_graphs: bool = True,
+) -> LocalRun:
+    """Runs every prompt through a Scheduler whose drafter is co-located; all are queued at once and the
+    engine's slots bound the batch."""
+    from specwire.colocated import colocated_link
+    from specwire.metrics import VerifierMetrics
+    from specwire.verifier.scheduler import Scheduler, SchedulerConfig
 
-    def __init__(self, engine, proposer, k: int, draft_top_k: int):
-        self.engine, self.proposer, self.k, self.draft_top_k = engine, proposer, k, draft_top_k
-        self.eos = set(engine.tokenizer.eos_token_ids) if engine.tokenizer else set()
-        self.use_aux = proposer.head.config.arch == "eagle3"
-
-    def run(self, prompts: list[list[int]], params: list[SamplingParams]) -> SpecStats:
-        stats = SpecStats(self.k)
+    metrics = VerifierMetrics()
+    link = colocated_link(
+        engine,
+        tokenizer,
+        metrics,
+        head=head,
+        device=None,
+        k=k,
+        max_branches=cache_branches,
+        cuda_graphs=cuda_graphs,
+        step_timeout=60.0,
+    )
+    config = SchedulerConfig(
+        num_speculative_tokens=k,
+        max_waiting=len(prompts),
+        draft_top_k=draft_top_k,
+        cache_branches=cache_branches,
+    )
+    scheduler = Scheduler(engine, tokenizer, metrics, config, link)
+    scheduler.start()
+    started = time.perf_counter()
+    try:
         requests = [
-            _Request(f"r{i}", p, sp, sp.seed if sp.seed is not None else secrets.randbits(62))
-            for i, (p, sp) in enumerate(zip(prompts, params, strict=True))
+            scheduler.submit(p, q, request_id=str(i))
+            for i, (p, q) in enumerate(zip(prompts, params, strict=True))
         ]
+        outputs = []
         for r in requests:
-            r.params.validate(self.engine.config.vocab_size, self.engine.max_context - len(r.prompt))
-        waiting, running = list(requests), []
-        start = time.perf_counter()
-        while waiting or running:
-            admit = []
-            while waiting and self.engine.num_free_slots:
-                r = waiting.pop(0)
-                r.slot = self.engine.allocate_slot()
-                admit.append(r)
-            if admit:
-                self._prefill(admit)
-                running += admit
-            self._round(running, stats)
-            for r in [r for r in running if r.done]:
-                self.engine.free_slot(r.slot)
-                self.proposer.free(r.rid)
-                running.remove(r)
-        if self.engine.device.type == "cuda":
-            torch.cuda.synchronize()
-        stats.seconds = time.perf_counter() - start
-        stats.outputs = [r.output for r in requests]
-        stats.tokens = sum(len(o) for o in stats.outputs)
-        return stats
-
-    def _features(self, out) -> torch.Tensor:
-        return out.aux_hidden if self.use_aux else out.hidden
-
-    def _sample_tokens(self, logits, drafts, num_drafts, probs, batch: list[_Request]):
-        def column(values: list, dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype)
-
-        return rejection_sample(
-            logits,
-            drafts.to(logits.device),
-            num_drafts,
-            probs,
-            column([r.params.temperature for r in batch], torch.float32),
-            column([r.params.top_k for r in batch], torch.int32),
-            column([r.params.top_p for r in batch], torch.float32),
-            column([r.seed for r in batch], torch.int64),
-            column([r.length for r in batch], torch.int64),
-        )
-
-    def _prefill(self, batch: list[_Request]) -> None:
-        out = self.engine.prefill([(r.slot, r.prompt) for r in batch])
-        empty = torch.zeros(0, dtype=torch.int64)
-        sampled = self._sample_tokens(
-            out.logits, empty, torch.zeros(len(batch), dtype=torch.int32), None, batch
-        )
-        feats, offset = self._features(out), 0
-        for r, token in zip(batch, sampled.tokens[:, 0].tolist(), strict=True):
-            n = len(r.prompt)
-            self._emit(r, [token])
-            self.proposer.add(r.rid, r.prompt + [token], feats[offset : offset + n])
-            offset += n
-
-    def _round(self, batch: list[_Request], stats: SpecStats) -> None:
-        live = [r for r in batch if not r.done]
-        if not live:
-            return
-        # Never draft past max_tokens: the last round may need fewer drafts.
-        ks = [
-            min(self.k, r.params.max_tokens - len(r.output) - 1, self.engine.max_context - r.length - 1)
-            for r in live
-        ]
-        ks = [max(k, 0) for k in ks]
-        temps = [r.params.temperature for r in live]
-        proposal = self.proposer.propose(
-            [r.rid for r in live], ks, temps, [self.draft_top_k if t > 0 else 0 for t in temps]
-        )
-        ks = proposal.num_drafts.tolist()
-        flat = proposal.token_ids.tolist()
-        drafts = [flat[sum(ks[:b]) : sum(ks[: b + 1])] for b in range(len(live))]
-        out = self.engine.verify(
-            [r.slot for r in live],
-            [[r.output[-1]] + d for r, d in zip(live, drafts, strict=True)],
-            [r.length - 1 for r in live],
-        )
-        sampled = self._sample_tokens(
-            out.logits, proposal.token_ids, proposal.num_drafts, proposal.probs, live
-        )
-        feats, offset = self._features(out), 0
-        for r, k, row, n in zip(live, ks, sampled.tokens.tolist(), sampled.num_tokens.tolist(), strict=True):
-            new = row[:n]
-            stats.rounds += 1
-            if k:
-                stats.drafted_rounds += 1
-                stats.emitted_in_drafted_rounds += n
-                stats.draft_tokens += k
-                stats.accepted_tokens += n - 1
-                for j in range(k):
-                    stats.proposed_at[j] += 1
-                    stats.accepted_at[j] += j < n - 1
-            self._emit(r, new)
-            if not r.done:
-                self.proposer.update(r.rid, new, feats[offset : offset + n])
-            offset += k + 1
-
-    def _emit(self, r: _Request, tokens: list[int]) -> None:
-        for t in tokens:
-            r.output.append(t)
-            if (t in self.eos and not r.params.ignore_eos) or len(r.output) >= r.params.max_tokens:
-                r.done = True
-                return
+            while (out := await r.outputs.get()).finish_reason is None:
+                pass
+            if out.finish_reason == "error":
+                raise RuntimeError(f"request {r.id} failed: {out.error}")
+            outputs.append(r.tokens[len(r.prompt) :])
+    finally:
+        seconds = time.perf_counter() - started
+        await scheduler.close()
+    return LocalRun(outputs, seconds, metrics)

@@ -32,6 +32,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda if available)")
     parser.add_argument("--k", type=int, default=4, help="draft tokens per round (default 4)")
     parser.add_argument("--max-tokens", type=int, default=64, help="tokens per prompt (default 64)")
+    parser.add_argument("--cache-branches", type=int, default=None,
+                        help="speculation-cache table entries per request (default: 8 on a GPU, 2 on a CPU, "
+                             "where drafting shares the cores with verification; 0 = draft each round)")
     parser.add_argument("--prompt", action="append", default=None, metavar="TEXT",
                         help="a prompt (repeatable; default: four built-in ones)")
     parser.add_argument("--startup-timeout", type=float, default=300.0,
@@ -154,6 +157,13 @@ def wait_drafter_connected(port: int, timeout: float) -> bool:
     return False
 
 
+def default_branches(args: argparse.Namespace) -> int:
+    import torch
+
+    on_gpu = args.device.startswith("cuda") if args.device else torch.cuda.is_available()
+    return 8 if on_gpu else 2
+
+
 def run(args: argparse.Namespace) -> int:
     from specwire.default_model import resolve_model_path
     from specwire.drafter.cli import DEFAULT_HEAD
@@ -171,9 +181,11 @@ def run(args: argparse.Namespace) -> int:
         target_only = start("target-only verifier", ["verifier", *common, "--k", "0"], log_dir)
         services.append(target_only)
         if speculate:
-            drafter = start("drafter", ["drafter", *common, "--head", str(head)], log_dir)
-            verifier = start("verifier", ["verifier", *common, "--k", str(args.k),
-                                          "--drafter", f"127.0.0.1:{drafter.port}"], log_dir)
+            branches = str(args.cache_branches if args.cache_branches is not None else default_branches(args))
+            drafter = start("drafter", ["drafter", *common, "--head", str(head), "--max-drafts", str(args.k),
+                                        "--max-branches", branches, "--max-requests", "16"], log_dir)
+            verifier = start("verifier", ["verifier", *common, "--k", str(args.k), "--cache-branches",
+                                          branches, "--drafter", f"127.0.0.1:{drafter.port}"], log_dir)
             services += [drafter, verifier]
             print(f"drafter :{drafter.port} ({head.name}) + verifier :{verifier.port} (k = {args.k}), "
                   f"target-only verifier :{target_only.port}; logs in {log_dir}", flush=True)
