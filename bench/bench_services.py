@@ -41,6 +41,7 @@ import shlex
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from gpu_busy import GpuBusy  # bench/ modules: scripts run as `python bench/<name>.py`
@@ -54,7 +55,8 @@ from specwire.default_model import resolve_model_path
 DEFAULT_PROMPTS = Path(__file__).parent / "data" / "heldout_smollm2_eagle.jsonl"
 
 
-def csv(kind: type) -> callable:
+def csv(kind: Callable[[str], object]) -> Callable[[str], list]:
+    """An argparse type: comma-separated values, each converted by `kind` (empty text: an empty list)."""
     return lambda text: [kind(x) for x in text.split(",") if x.strip()]
 
 
