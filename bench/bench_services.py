@@ -1,183 +1,359 @@
-"""Both services end to end over gRPC: tokens/s with speculation against a target-only verifier (k = 0) of the
-same code, mean acceptance length, and greedy equality, at several batch sizes.
+"""Both services end to end over gRPC, setups side by side in one run: drafter and verifier on two GPUs,
+both in one process on one GPU (co-located), target-only on our engine (a verifier with --k 0) and
+transformers `generate()`; on SmolLM2 with the shipped head and on a Llama-3.1-8B-shaped synthetic target at
+forced mean acceptance lengths; at several batch sizes, temperatures and k.
 
-Drafter and verifiers run as real processes (the `specwire demo` plumbing); on a 2-GPU machine put the drafter
-on one GPU and the verifiers on the other:
+    python bench/bench_services.py --model /root/m/smol.gguf --drafter-device cuda:0 \
+        --verifier-device cuda:1 --out-dir bench/results --tag h200x2
 
-    python bench/bench_services.py --model /root/m/smol.gguf \
-        --drafter-device cuda:0 --verifier-device cuda:1 --batch-sizes 1,16 --max-tokens 128 \
-        --out bench/results/services_h200x2.json
+writes services_h200x2.json (SmolLM2) and services_8b_synthetic_h200x2.json (the synthetic 8B shape); see
+bench/README.md for the device command, bench/plot_services.py for the plots. Every point sends `batch`
+requests at once (fixed length: ignore_eos; unseeded, since the verifier asks seeded requests for greedy
+drafts and users rarely seed), `--repeats` times, and reads:
 
-Batch B sends B requests at once (fixed length: ignore_eos) and times them wall to wall; the target-only
-verifier then gets the same B prompts. Greedy equality compares each prompt's tokens between the two; bf16
-kernels that differ between a 1-token decode and a (1 + k)-token verify can make rare ties break apart, so
-the rate is measured, not assumed.
+- from the client's stream (bench/services_client.py): tokens/s (all tokens / wall time of the batches),
+  TTFT, inter-chunk latency and TPOT percentiles, mean acceptance length (from the requests' usage);
+- from the services' /metrics (bench/services_metrics.py): a verification step's time split (verify, draft,
+  transport, host), the speculation cache's hit rate when the verifier has one, drafter-link bytes per step;
+- each GPU's busy share (bench/gpu_busy.py).
 
-Where a speculative round's time goes comes from the services' own Prometheus /metrics, scraped before and
-after each batch size: per verification, the verifier's engine-thread time and the drafter round trip it
-waited for, and the drafter's compute per DraftStep (means over the run).
+Per speculative point, against the target-only point of the same batch and temperature in the same run:
+`speedup` (tokens/s ratio), `output_equal_rate` (real models, greedy: outputs identical token for token), the
+ideal speedup `ideal_speedup` = tau * t_target / t_verify, measured as (decode tokens per second of verify-
+step time) / (decode tokens per second of target-only step time): tau is the mean acceptance length, and the
+two step times are the verifiers' own specwire_verify_step_seconds (engine thread: forward, sampling,
+readback; prefill excluded, so decode tokens = tokens - one per request). It is what the round would give if
+nothing but verification were on its critical path.
+
+Setups run in priority order until --budget-seconds have passed; the rest are listed as skipped. Results are
+written after every configuration, so a run cut short keeps what it measured.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
+import os
 import platform
+import shlex
+import subprocess
 import sys
-import tempfile
 import time
-import urllib.request
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
 from pathlib import Path
 
-from prometheus_client.parser import text_string_to_metric_families
+from gpu_busy import GpuBusy  # bench/ modules: scripts run as `python bench/<name>.py`
+from services_client import Client, read_prompts, summarize
+from services_metrics import Delta, cache_hit_rate, round_split, scrape, wire_bytes_per_step
+from services_setups import SETUPS, Devices, Fleet, SetupUnavailable, Workload, run_transformers
 from specwire.drafter.cli import DEFAULT_HEAD
 
-from specwire.commands.demo import (
-    Totals,
-    free_port,
-    start,
-    stop,
-    stream,
-    wait_drafter_connected,
-    wait_serving,
-)
 from specwire.default_model import resolve_model_path
 
-PROMPTS = [
-    "Explain how a bicycle stays upright.", "Write a short poem about the sea.",
-    "What is the capital of France and why is it famous?", "List three uses of a paperclip.",
-    "Describe the water cycle in simple terms.", "Give me a recipe for pancakes.", "Why is the sky blue?",
-    "Summarise the plot of Romeo and Juliet.", "How do vaccines work?",
-    "What are prime numbers? Give examples.",
-    "Tell me a fun fact about octopuses.", "How does a compiler differ from an interpreter?",
-    "Write a haiku about autumn leaves.", "What causes earthquakes?", "Explain photosynthesis to a child.",
-    "Suggest a name for a small coffee shop.",
-]
+DEFAULT_PROMPTS = Path(__file__).parent / "data" / "heldout_smollm2_eagle.jsonl"
 
 
-def run_batch(port: int, prompts: list[str], max_tokens: int) -> tuple[float, list[Totals]]:
-    """(wall seconds, per-request totals) of all prompts sent at once."""
-    totals = [Totals() for _ in prompts]
-    started = time.perf_counter()
-    with ThreadPoolExecutor(len(prompts)) as pool:
-        list(pool.map(lambda i: stream(port, prompts[i], max_tokens, False, totals[i], ignore_eos=True),
-                      range(len(prompts))))
-    return time.perf_counter() - started, totals
+def csv(kind: Callable[[str], object]) -> Callable[[str], list]:
+    """An argparse type: comma-separated values, each converted by `kind` (empty text: an empty list)."""
+    return lambda text: [kind(x) for x in text.split(",") if x.strip()]
 
 
-# (name in the report, metric family, which service): histograms whose sum and count give a mean
-BREAKDOWN = [("verify_step_ms", "specwire_verify_step_seconds", "verifier"),
-             ("drafter_round_trip_ms", "specwire_drafter_rpc_latency_seconds", "verifier"),
-             ("drafter_compute_ms", "specwire_drafter_step_seconds", "drafter")]
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workloads", type=csv(str), default=["smollm2", "synthetic"],
+                   help="smollm2 (--model + --head) and/or synthetic (--synthetic-shape at --lengths)")
+    p.add_argument("--model", default=None, help="the smollm2 workload's model (default: SmolLM2 GGUF)")
+    p.add_argument("--head", default=str(DEFAULT_HEAD), help="its EAGLE head (default: the shipped one)")
+    p.add_argument("--synthetic-shape", default="llama-3.1-8b", help="the synthetic workload's shape")
+    p.add_argument("--lengths", type=csv(float), default=[3.0, 2.0, 4.0],
+                   help="forced mean acceptance lengths of the synthetic workload, first = first measured")
+    p.add_argument("--verifier-args", default="",
+                   help="more flags for the smollm2 workload's speculative verifiers ('--cache-branches 0')")
+    p.add_argument("--synthetic-verifier-args", default="--cache-branches 0 --aux-layers none",
+                   help="more flags for the synthetic workload's speculative verifiers (default: serial "
+                        "drafting, since a random head's speculation-cache lookups all miss, and no "
+                        "EAGLE-3 taps, which its EAGLE-1 head does not read; once the verifier has "
+                        "--forced-hit-rate, e.g. '--forced-hit-rate 0.8 --aux-layers none')")
+    p.add_argument("--prompts", default=str(DEFAULT_PROMPTS), help="JSONL prompt file")
+    p.add_argument("--prompt-source", default="self_instruct",
+                   help="keep rows whose 'source' starts with this ('' = all; rows without one are kept)")
+    p.add_argument("--max-prompt-bytes", type=int, default=800,
+                   help="leave out longer prompts (the synthetic tokenizer makes a token of every byte)")
+    p.add_argument("--setups", type=csv(str), default=list(SETUPS), help=f"any of {', '.join(SETUPS)}")
+    p.add_argument("--ks", type=csv(int), default=[4], help="k of every speculative setup")
+    p.add_argument("--batch-sizes", type=csv(int), default=[1, 8, 16, 32, 64])
+    p.add_argument("--temperatures", type=csv(float), default=[0.0, 1.0])
+    p.add_argument("--sweep-ks", type=csv(int), default=[2, 3, 5, 6],
+                   help="extra k values, two_gpus only, at --sweep-batch-sizes, after everything else")
+    p.add_argument("--sweep-batch-sizes", type=csv(int), default=[1, 16])
+    p.add_argument("--colocated-lengths", type=csv(float), default=[3.0],
+                   help="forced lengths the co-located setup runs (synthetic workload)")
+    p.add_argument("--hf-batch-sizes", type=csv(int), default=[1, 16, 64])
+    p.add_argument("--hf-temperatures", type=csv(float), default=[0.0])
+    p.add_argument("--hf-max-tokens", type=int, default=32, help="tokens per transformers request")
+    p.add_argument("--max-tokens", type=int, default=128, help="tokens per request")
+    p.add_argument("--repeats", type=int, default=2, help="batches per point")
+    p.add_argument("--max-context", type=int, default=1024, help="services' KV positions per request")
+    p.add_argument("--drafter-device", default=None)
+    p.add_argument("--verifier-device", default=None)
+    p.add_argument("--client-processes", type=int, default=min(8, (os.cpu_count() or 1) // 4),
+                   help="client processes a batch is spread over (default: a quarter of the CPUs, <= 8)")
+    p.add_argument("--budget-seconds", type=float, default=480,
+                   help="start no configuration expected to end after this many seconds (default 480)")
+    p.add_argument("--out-dir", default="bench/results")
+    p.add_argument("--tag", default="local", help="result files are services[_SHAPE_synthetic]_TAG.json")
+    p.add_argument("--commit", default=os.environ.get("SPECWIRE_COMMIT"),
+                   help="the commit measured, when the tree is not a git checkout (env SPECWIRE_COMMIT)")
+    args = p.parse_args(argv)
+    if bad := [s for s in args.setups if s not in SETUPS]:
+        p.error(f"unknown setup {bad[0]!r}")
+    return args
 
 
-def scrape(port: int) -> dict[str, float]:
-    """Every sample of a /metrics endpoint, by sample name (label-free samples only)."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
-        text = response.read().decode()
-    return {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples
-            if not s.labels}
-
-
-def breakdown(before: dict[str, dict], after: dict[str, dict], seconds: float) -> dict[str, float]:
-    """Mean ms of each BREAKDOWN histogram between two scrapes, and wall ms per verification."""
-    def delta(service: str, sample: str) -> float:
-        return after[service].get(sample, 0.0) - before[service].get(sample, 0.0)
-
-    out = {}
-    for name, family, service in BREAKDOWN:
-        count = delta(service, family + "_count")
-        out[name] = 1e3 * delta(service, family + "_sum") / count if count else 0.0
-    steps = delta("verifier", "specwire_verify_step_seconds_count")
-    out["wall_per_verification_ms"] = 1e3 * seconds / steps if steps else 0.0
+def workloads(args: argparse.Namespace) -> list[Workload]:
+    out = []
+    for name in args.workloads:
+        if name == "smollm2":
+            out.append(Workload("smollm2", str(resolve_model_path(args.model)), args.head, (None,),
+                                tuple(shlex.split(args.verifier_args))))
+        elif name == "synthetic":
+            shape = args.synthetic_shape
+            out.append(Workload(f"synthetic-{shape}", f"synthetic:{shape}", None, tuple(args.lengths),
+                                tuple(shlex.split(args.synthetic_verifier_args))))
+        else:
+            raise SystemExit(f"unknown workload {name!r} (smollm2, synthetic)")
     return out
 
 
-def measure(port: int, prompts: list[str], batch: int, max_tokens: int, repeats: int) -> dict:
-    seconds, tokens, drafts, accepted, outputs = 0.0, 0, 0, 0, []
-    for r in range(repeats):
-        chosen = [prompts[(r * batch + i) % len(prompts)] for i in range(batch)]
-        wall, totals = run_batch(port, chosen, max_tokens)
-        seconds += wall
-        tokens += sum(t.tokens for t in totals)
-        drafts += sum(t.drafts for t in totals)
-        accepted += sum(t.accepted for t in totals)
-        outputs += [t.outputs[0] for t in totals]
-    return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
-            "mean_acceptance_length": 1 + accepted / drafts if drafts else 0.0, "outputs": outputs}
+def out_file(args: argparse.Namespace, w: Workload) -> Path:
+    if not w.synthetic:
+        return Path(args.out_dir) / f"services_{args.tag}.json"
+    shape = args.synthetic_shape.replace("llama-3.1-", "")
+    return Path(args.out_dir) / f"services_{shape}_synthetic_{args.tag}.json"
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=None)
-    p.add_argument("--head", default=str(DEFAULT_HEAD))
-    p.add_argument("--drafter-device", default=None)
-    p.add_argument("--verifier-device", default=None)
-    p.add_argument("--k", type=int, default=4)
-    p.add_argument("--batch-sizes", default="1,16")
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--repeats", type=int, default=2, help="batches per batch size (default 2)")
-    p.add_argument("--out", default=None, help="write the JSON result here")
-    args = p.parse_args()
+Job = tuple[Workload, str, int, float | None, list[int]]  # workload, setup, k, forced length, batch sizes
 
-    model = str(resolve_model_path(args.model))
-    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
-    slots = str(max(batch_sizes))
 
-    def device(d: str | None) -> list[str]:
-        return ["--device", d] if d else []
+def jobs(args: argparse.Namespace, ws: list[Workload]) -> list[Job]:
+    """The configurations in the order they run: target-only first (every speedup needs it), then two GPUs
+    at the first length, the other lengths, co-located, transformers, the k sweep."""
+    out = []
+    for phase in range(6):
+        for w in ws:
+            first, rest = w.lengths[:1], w.lengths[1:]
+            if phase == 0 and "target_only" in args.setups:
+                out.append((w, "target_only", 0, None, args.batch_sizes))
+            for length in {1: first, 2: rest}.get(phase, ()):
+                if "two_gpus" in args.setups:
+                    out += [(w, "two_gpus", k, length, args.batch_sizes) for k in args.ks]
+            if phase == 3 and "colocated" in args.setups:
+                lengths = [x for x in w.lengths if x in args.colocated_lengths] or first
+                out += [(w, "colocated", k, x, args.batch_sizes) for k in args.ks for x in lengths]
+            if phase == 4 and "transformers" in args.setups:
+                out.append((w, "transformers", 0, None, args.hf_batch_sizes))
+            if phase == 5 and "two_gpus" in args.setups:
+                out += [(w, "two_gpus", k, first[0], args.sweep_batch_sizes) for k in args.sweep_ks
+                        if k not in args.ks]
+    return out
 
-    logs = Path(tempfile.mkdtemp(prefix="specwire-bench-"))
-    metrics_ports = {"drafter": free_port(), "verifier": free_port()}
-    drafter = start("drafter", ["drafter", "--model", model, "--head", args.head,
-                                *device(args.drafter_device), "--max-drafts", str(args.k),
-                                "--metrics-port", str(metrics_ports["drafter"])], logs)
-    common = ["verifier", "--model", model, *device(args.verifier_device), "--max-slots", slots]
-    spec = start("verifier", [*common, "--k", str(args.k), "--drafter", f"127.0.0.1:{drafter.port}",
-                              "--metrics-port", str(metrics_ports["verifier"])], logs)
-    base = start("target-only verifier", [*common, "--k", "0"], logs)
-    services = [drafter, spec, base]
-    results = []
+
+def measure(client: Client, port: int, metric_ports: dict[str, int | None], gpus: list[int],
+            prompts: list[str], batches: list[int], args: argparse.Namespace) -> list[dict]:
+    """Rows of one running configuration: every (batch, temperature), after a short warm-up of each."""
+    for batch in batches:
+        for temperature in args.temperatures:
+            client.run_batch(port, prompts[:batch], 16, temperature)
+    rows = []
+    for batch in batches:
+        for temperature in args.temperatures:
+            before = {name: scrape(p) for name, p in metric_ports.items()}
+            wall, timings = 0.0, []
+            with GpuBusy(gpus) as busy:
+                for r in range(args.repeats):
+                    chosen = [prompts[(r * batch + i) % len(prompts)] for i in range(batch)]
+                    seconds, got = client.run_batch(port, chosen, args.max_tokens, temperature)
+                    wall, timings = wall + seconds, timings + got
+            delta = Delta(before, {name: scrape(p) for name, p in metric_ports.items()})
+            rows.append({"batch": batch, "temperature": temperature, **summarize(wall, timings),
+                         "round_ms": round_split(delta, wall), "cache": cache_hit_rate(delta),
+                         "wire_bytes_per_step": wire_bytes_per_step(delta), "gpu_busy": busy.result(),
+                         "_outputs": [t.token_ids for t in timings],
+                         "_step_seconds": delta.get("verifier", "specwire_verify_step_seconds_sum")})
+    return rows
+
+
+def compare(row: dict, base: dict | None, real_model: bool) -> dict:
+    """speedup, output equality and the ideal speedup of a row against the target-only row (same point)."""
+    if row["setup"] == "target_only":
+        return {"speedup": 1.0}
+    if base is None:
+        return {"speedup": None}
+    out = {"speedup": row["tokens_per_s"] / base["tokens_per_s"]}
+    if row["setup"] == "transformers":
+        return out
+    if real_model and row["temperature"] == 0:
+        same = sum(a == b for a, b in zip(row["_outputs"], base["_outputs"], strict=True))
+        out["output_equal_rate"] = same / len(row["_outputs"])
+    steps, base_steps = row["round_ms"]["steps"], base["round_ms"]["steps"]
+    if row.get("_step_seconds") and base.get("_step_seconds") and steps and base_steps:
+        decode, base_decode = row["tokens"] - row["requests"], base["tokens"] - base["requests"]
+        ideal = (decode / row["_step_seconds"]) / (base_decode / base["_step_seconds"])
+        out |= {"ideal_speedup": ideal, "speedup_over_ideal": out["speedup"] / ideal,
+                "t_verify_ms": 1e3 * row["_step_seconds"] / steps,
+                "t_target_ms": 1e3 * base["_step_seconds"] / base_steps}
+    return out
+
+
+def run_job(fleet: Fleet, client: Client, job: Job, prompts: list[str], args: argparse.Namespace
+            ) -> list[dict]:
+    w, setup, k, length, batches = job
+    devices = fleet.devices
+    if setup == "transformers":
+        got = run_transformers(w, devices.verifier, prompts, batches, args.hf_temperatures,
+                               args.hf_max_tokens, fleet.logs, timeout=max(60.0, args.budget_seconds))
+        return [{**r, "cache_implementation": r.pop("cache")} for r in got["results"]]
+    service = fleet.verifier(w, setup, k, length)
     try:
-        wait_serving(services, 600)
-        if not wait_drafter_connected(spec.port, 120):
-            raise SystemExit(f"the verifier never connected to the drafter (logs: {logs})")
-        for port in (spec.port, base.port):  # warm-up: Triton compiles per shape class, first allocations
-            for batch in batch_sizes:
-                run_batch(port, PROMPTS[:batch], 16)
-        for batch in batch_sizes:
-            before = {name: scrape(port) for name, port in metrics_ports.items()}
-            s = measure(spec.port, PROMPTS, batch, args.max_tokens, args.repeats)
-            after = {name: scrape(port) for name, port in metrics_ports.items()}
-            s["per_verification"] = breakdown(before, after, s["seconds"])
-            b = measure(base.port, PROMPTS, batch, args.max_tokens, args.repeats)
-            same = sum(x == y for x, y in zip(s.pop("outputs"), b.pop("outputs"), strict=True))
-            results.append({"batch": batch, "speculative": s, "target_only": b,
-                            "speedup": s["tokens_per_s"] / b["tokens_per_s"],
-                            "greedy_equal_rate": same / (batch * args.repeats)})
+        ports = {"verifier": fleet.metrics_port(service),
+                 "drafter": fleet.metrics_port(fleet.drafters.get(w.name)) if setup == "two_gpus" else None}
+        return measure(client, service.port, ports, devices.gpu_indices(setup), prompts, batches, args)
     finally:
-        stop(services)
+        fleet.stop(service)
 
-    print(f"{'batch':>5} {'spec tok/s':>11} {'target tok/s':>13} {'speedup':>8} {'accept len':>11} "
-          f"{'greedy ==':>10}")
+
+class Pace:
+    """How long configurations took, per batch size measured, to expect the next one's time: the same
+    workload and setup if it ran before, else the slowest setup of the workload so far, else nothing."""
+
+    def __init__(self):
+        self.rate: dict[tuple[str, str], float] = {}
+
+    def record(self, workload: str, setup: str, batches: int, seconds: float) -> None:
+        self.rate[workload, setup] = seconds / max(1, batches)
+
+    def expect(self, workload: str, setup: str, batches: int) -> float:
+        same = self.rate.get((workload, setup))
+        known = [r for (w, _), r in self.rate.items() if w == workload]
+        return batches * (same if same is not None else max(known, default=0.0))
+
+
+def machine() -> dict:
+    gpus = []
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        query = ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"]
+        gpus = subprocess.run(query, capture_output=True, text=True, timeout=20, check=True
+                              ).stdout.splitlines()
+    import torch
+
+    return {"hostname": platform.node(), "platform": platform.platform(), "python": sys.version.split()[0],
+            "torch": torch.__version__, "cpus": os.cpu_count(), "gpus": gpus}
+
+
+def commit(given: str | None) -> str:
+    if given:
+        return given
+    try:
+        def git(*argv: str) -> str:
+            return subprocess.run(["git", *argv], capture_output=True, text=True, check=True,
+                                  cwd=Path(__file__).parent).stdout.strip()
+
+        head, dirty = git("rev-parse", "HEAD"), git("status", "--porcelain", "--untracked-files=no")
+        return head + (" (uncommitted changes)" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def report(w: Workload, rows: list[dict], skipped: list[dict], header: dict) -> dict:
+    base = {(r["batch"], r["temperature"]): r for r in rows if r["setup"] == "target_only"}
+    results = []
+    for r in rows:
+        extra = compare(r, base.get((r["batch"], r["temperature"])), not w.synthetic)
+        results.append({k: v for k, v in (r | extra).items() if not k.startswith("_")})
+    head = w.head or ("random EAGLE-1 (synthetic)" if w.synthetic else "default")
+    lengths = list(w.lengths) if w.synthetic else None
+    return {**header, "workload": w.name, "model": w.model, "head": head,
+            "verifier_args": list(w.verifier_args),
+            "forced_acceptance_lengths": lengths, "results": results, "skipped": skipped}
+
+
+def print_table(name: str, results: list[dict]) -> None:
+    print(f"\n{name}")
+    columns = [("setup", "setup", ">12"), ("k", "k", ">2"), ("L", "forced_acceptance_length", ">4.1f"),
+               ("T", "temperature", ">3.0f"), ("batch", "batch", ">5"), ("tok/s", "tokens_per_s", ">9.1f"),
+               ("speedup", "speedup", ">7.2f"), ("ideal", "ideal_speedup", ">6.2f"),
+               ("tau", "mean_acceptance_length", ">5.2f"), ("TTFT p50", "ttft_ms", ">9.1f"),
+               ("ITL p50", "itl_ms", ">8.2f")]
+
+    def cell(r: dict, key: str, spec: str) -> str:
+        v = r.get(key)
+        v = v.get("p50") if isinstance(v, dict) else v
+        width = spec.lstrip(">").split(".")[0]
+        return format(v, spec) if isinstance(v, int | float | str) else format("-", f">{width}")
+
+    print(" ".join(format(title, f">{spec.lstrip('>').split('.')[0]}") for title, _, spec in columns))
     for r in results:
-        spec_, base_ = r["speculative"], r["target_only"]
-        print(f"{r['batch']:>5} {spec_['tokens_per_s']:>11.1f} {base_['tokens_per_s']:>13.1f} "
-              f"{r['speedup']:>7.2f}x {spec_['mean_acceptance_length']:>11.2f} "
-              f"{r['greedy_equal_rate']:>10.0%}")
-        print("      speculative, per verification (ms): " + ", ".join(
-            f"{k} {v:.3f}" for k, v in r["speculative"]["per_verification"].items()))
-    report = {
+        print(" ".join(cell(r, key, spec) for _, key, spec in columns))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")  # cuda:N is NVML's GPU N (gpu_busy.py)
+    started = time.monotonic()
+    ws = workloads(args)
+    prompts = read_prompts(args.prompts, args.prompt_source, args.max_prompt_bytes)
+    header = {
         "bench": "services", "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "python": sys.version.split()[0], "platform": platform.platform(), "model": model, "head": args.head,
-        "k": args.k, "max_tokens": args.max_tokens, "repeats": args.repeats,
-        "drafter_device": args.drafter_device, "verifier_device": args.verifier_device, "results": results,
+        "command": shlex.join([sys.executable, *sys.argv]) if argv is None else shlex.join(argv),
+        "commit": commit(args.commit), "machine": machine(),
+        "prompts": {"file": args.prompts, "source_prefix": args.prompt_source,
+                    "max_bytes": args.max_prompt_bytes, "count": len(prompts)},
+        "max_tokens": args.max_tokens, "repeats": args.repeats, "max_context": args.max_context,
+        "client_processes": args.client_processes,
+        "devices": {"drafter": args.drafter_device, "verifier": args.verifier_device},
     }
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    plan = jobs(args, ws)
+    max_batch = max([*args.batch_sizes, *args.sweep_batch_sizes])
+    fleet = Fleet(Devices(args.drafter_device, args.verifier_device), max_batch,
+                  max([*args.ks, *args.sweep_ks]), args.max_context)
+    rows: dict[str, list[dict]] = {w.name: [] for w in ws}
+    skipped: dict[str, list[dict]] = {w.name: [] for w in ws}
+    unavailable: dict[str, str] = {}  # setup -> why the services refused it
+    print(f"{len(plan)} configurations; service logs in {fleet.logs}", flush=True)
+    client, pace = Client(args.client_processes), Pace()
+    try:
+        for job in plan:
+            w, setup, k, length, batches = job
+            where = {"setup": setup, "k": k, "forced_acceptance_length": length}
+            reason = unavailable.get(setup)
+            elapsed, expected = time.monotonic() - started, pace.expect(w.name, setup, len(batches))
+            if reason is None and elapsed + expected > args.budget_seconds:
+                reason = f"budget: {args.budget_seconds:.0f} s, at {elapsed:.0f} s, expected {expected:.0f} s"
+            if reason is None:
+                print(f"[{elapsed:6.1f} s] {w.name}: {setup} k={k} L={length}", flush=True)
+                try:
+                    rows[w.name] += [{**where, **r} for r in run_job(fleet, client, job, prompts, args)]
+                    pace.record(w.name, setup, len(batches), time.monotonic() - started - elapsed)
+                except SetupUnavailable as e:
+                    unavailable[setup] = reason = str(e)
+                except Exception as e:  # recorded with the run; the other configurations go on
+                    reason = f"failed: {type(e).__name__}: {' '.join(str(e).split())[:500]}"
+            if reason is not None:
+                print(f"  skipped {w.name} {setup} k={k} L={length}: {reason}", flush=True)
+                skipped[w.name].append({**where, "batches": batches, "reason": reason})
+            for x in ws:  # after every configuration: a run cut short keeps what it measured
+                path = out_file(args, x)
+                path.parent.mkdir(parents=True, exist_ok=True)
+                result = report(x, rows[x.name], skipped[x.name], header)
+                path.write_text(json.dumps(result, indent=1) + "\n")
+    finally:
+        fleet.close()
+        client.close()
+    for w in ws:
+        print_table(f"{w.name} ({out_file(args, w)})", report(w, rows[w.name], [], header)["results"])
+    print(f"\n{time.monotonic() - started:.0f} s; service logs in {fleet.logs}")
     return 0
 
 

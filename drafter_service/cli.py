@@ -29,7 +29,8 @@ def add_proposer_arguments(parser: argparse.ArgumentParser) -> None:
     """The head and the proposer's sizes (the co-located verifier takes them too)."""
     env = grpc_common.env_default
     parser.add_argument("--head", default=env("SPECWIRE_HEAD", None),
-                        help=f"EAGLE head directory (default: the shipped {DEFAULT_HEAD.name})")
+                        help="EAGLE head directory, or 'random' (random weights of the target's shape; the "
+                             f"default for synthetic:NAME models, else the shipped {DEFAULT_HEAD.name})")
     parser.add_argument("--max-requests", type=int, default=env("SPECWIRE_MAX_REQUESTS", 64),
                         help="requests held at once, over all verifiers (default 64)")
     parser.add_argument("--max-drafts", type=int, default=env("SPECWIRE_MAX_DRAFTS", 8),
@@ -45,35 +46,40 @@ def add_proposer_arguments(parser: argparse.ArgumentParser) -> None:
 
 def load_proposer(args: argparse.Namespace):
     """(proposer, target config, tokenizer fingerprint, head name) from the flags."""
-    from specwire.default_model import resolve_model_path  # torch loads here, once the flags are valid
-    from specwire.tokenizer import load_tokenizer
-    from specwire.weights import load_checkpoint
+    from specwire.engine import device_and_dtype  # torch loads here, once the flags are valid
+    from specwire.model_source import load_model
+    from specwire.synthetic import head_or_random
 
-    model_path = resolve_model_path(args.model)
-    config, state_dict = load_checkpoint(model_path)
-    proposer, head = build_proposer(args, config, state_dict)
-    return proposer, config, load_tokenizer(model_path).fingerprint, head
+    device, dtype = device_and_dtype(args.device, args.dtype)
+    config, shared, tokenizer, _ = load_model(args.model, device, dtype,  # only what the head shares
+                                              names=("model.embed_tokens.weight", "lm_head.weight"))
+    args.head = head_or_random(args.model, args.head)
+    proposer, head = build_proposer(args, config, shared)
+    return proposer, config, tokenizer.fingerprint, head
 
 
 def build_proposer(args: argparse.Namespace, config, target_weights: dict):
     """(EagleProposer, head name) on the target's shared tensors, sized by args.head, .device, .dtype,
     .no_cuda_graphs and the --max-* flags of add_proposer_arguments."""
-    from specwire.drafter.eagle_head import load_eagle_head
+    from specwire.drafter.eagle_head import load_eagle_head, random_eagle_head
     from specwire.drafter.proposer import EagleProposer
 
-    from specwire.engine import default_device, default_dtype, parse_device, parse_dtype
+    from specwire.engine import device_and_dtype
     from specwire.errors import ModelLoadError
+    from specwire.synthetic import RANDOM_HEAD
 
     head_path = Path(args.head) if args.head else DEFAULT_HEAD
-    if not (head_path / "config.json").is_file():
+    if args.head != RANDOM_HEAD and not (head_path / "config.json").is_file():
         raise ModelLoadError(f"no EAGLE head at {head_path} (train one with `specwire train-eagle` or pass "
                              "--head)")
-    device = parse_device(args.device) if args.device else default_device()
-    dtype = parse_dtype(args.dtype) if args.dtype else default_dtype(device)
+    device, dtype = device_and_dtype(args.device, args.dtype)
     # The head shares the target's embedding and lm_head; the rest of the target is not needed here.
     shared = {k: v for k, v in target_weights.items() if k in ("model.embed_tokens.weight", "lm_head.weight")}
-    head = load_eagle_head(head_path, config, shared, dtype=dtype, device=device,
-                           max_positions=args.max_context)
+    if args.head == RANDOM_HEAD:
+        head = random_eagle_head(config, shared, dtype, device, args.max_context)
+    else:
+        head = load_eagle_head(head_path, config, shared, dtype=dtype, device=device,
+                               max_positions=args.max_context)
     proposer = EagleProposer(head, max_requests=args.max_requests, max_context=args.max_context,
                              max_drafts=args.max_drafts, max_top_k=min(args.max_top_k, head.vocab_size),
                              cuda_graphs=not args.no_cuda_graphs, max_branches=args.max_branches)

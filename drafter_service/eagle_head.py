@@ -372,6 +372,22 @@ def load_eagle_head(
     return head
 
 
+def random_eagle_head(
+    target_config: ModelConfig,
+    target_weights: dict[str, torch.Tensor],
+    dtype: torch.dtype,
+    device: torch.device | str,
+    max_positions: int,
+    seed: int = 0,
+) -> EagleHead:
+    """An EAGLE-1 head of the target's layer shape with random weights, for synthetic targets: its drafts
+    cost what a trained head's do (one decoder layer + the full lm_head a step), their ids are noise."""
+    config = EagleHeadConfig.for_target(target_config, "eagle1", draft_vocab_size=0)
+    head = EagleHead(config, target_weights, dtype, device, max_positions)
+    head.init_weights(seed)
+    return head.requires_grad_(False)
+
+
 def save_eagle_head(
     head: EagleHead, path: str | Path, extra: dict | None = None, dtype: torch.dtype = torch.bfloat16
 ) -> None:

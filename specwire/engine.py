@@ -14,12 +14,11 @@ from dataclasses import dataclass, field
 import torch
 
 from specwire.config import ModelConfig
-from specwire.default_model import resolve_model_path
 from specwire.kernels.rejection_sampler import rejection_sample
 from specwire.model import KVCache, LlamaModel, ModelOutput
+from specwire.model_source import load_model
 from specwire.sampling_params import SamplingParams
-from specwire.tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
-from specwire.weights import load_checkpoint
+from specwire.tokenizer import IncrementalDetokenizer, Tokenizer
 
 DTYPES = {
     "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
@@ -59,6 +58,14 @@ def on_own_device(method: Callable) -> Callable:
             return method(self, *args, **kwargs)
 
     return wrapper
+
+
+def device_and_dtype(
+    device: str | torch.device | None, dtype: str | torch.dtype | None
+) -> tuple[torch.device, torch.dtype]:
+    """The --device and --dtype flags resolved: cuda when available, bf16 on CUDA and fp32 on the CPU."""
+    resolved = parse_device(device) if device is not None else default_device()
+    return resolved, parse_dtype(dtype) if dtype is not None else default_dtype(resolved)
 
 
 def capture(graph: torch.cuda.CUDAGraph, pool=None) -> torch.cuda.graph:
@@ -206,20 +213,19 @@ class TargetEngine:
     ):
         """max_context: cache positions per slot (default min(2048, max_position_embeddings)).
         max_verify_tokens: 1 + k, the widest verify row captured in CUDA graphs (1: decode graphs only).
-        checkpoint=(config, state_dict) uses those weights instead of loading model_path (synthetic
-        benchmark models); such an engine has no tokenizer and offers the step API only."""
-        self.device = parse_device(device) if device is not None else default_device()
-        self.dtype = parse_dtype(dtype) if dtype is not None else default_dtype(self.device)
+        model_path may name a synthetic model (`synthetic:NAME`, specwire.synthetic). checkpoint=(config,
+        state_dict) uses those weights instead of loading model_path; such an engine has no tokenizer and
+        offers the step API only."""
+        self.device, self.dtype = device_and_dtype(device, dtype)
         if max_slots < 1:
             raise ValueError(f"max_slots must be >= 1, got {max_slots}")
         if max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be >= 1, got {max_prefill_tokens}")
+        self.tokenizer: Tokenizer | None = None
         if checkpoint is None:
-            path = resolve_model_path(model_path)
-            config, state_dict = load_checkpoint(path)
-            self.tokenizer: Tokenizer | None = load_tokenizer(path)
+            config, state_dict, self.tokenizer, _ = load_model(model_path, self.device, self.dtype)
         else:
-            (config, state_dict), self.tokenizer = checkpoint, None
+            config, state_dict = checkpoint
         if max_context is None:
             max_context = min(2048, config.max_position_embeddings)
         if max_context < 2:

@@ -50,6 +50,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="target layers whose input EAGLE-3 heads read: comma-separated, 'eagle3' "
                              "(2, L/2, L-3) or 'none' (default eagle3)")
     parser.add_argument("--no-cuda-graphs", action="store_true", help="run the decode step eagerly")
+    parser.add_argument("--forced-acceptance-length", type=float,
+                        default=env("SPECWIRE_FORCED_ACCEPTANCE_LENGTH", None), metavar="L",
+                        help="benchmarks only: accept drafts at random so that a round yields L tokens on "
+                             "average, in [1, k + 1], whatever they are (the output is not the target's)")
     parser.add_argument("--metrics-port", type=int, default=env("SPECWIRE_METRICS_PORT", None),
                         help="serve Prometheus /metrics on this port (env SPECWIRE_METRICS_PORT)")
     grpc_common.add_logging_arguments(parser)
@@ -72,25 +76,24 @@ def parse_aux_layers(text: str, num_layers: int) -> tuple[int, ...]:
 
 def load_engine(args: argparse.Namespace):
     """(engine, tokenizer, model name) from the flags; the engine taps the aux layers only with a drafter."""
-    from specwire.default_model import resolve_model_path  # torch loads here, once the flags are valid
-    from specwire.engine import TargetEngine
-    from specwire.tokenizer import load_tokenizer
-    from specwire.weights import load_checkpoint
+    from specwire.engine import TargetEngine, device_and_dtype  # torch loads here, once the flags are valid
+    from specwire.model_source import load_model
 
-    path = resolve_model_path(args.model)
-    config, state_dict = load_checkpoint(path)
+    device, dtype = device_and_dtype(args.device, args.dtype)
+    config, state_dict, tokenizer, name = load_model(args.model, device, dtype)
     speculating = (args.drafter or args.colocated) and args.k > 0
     aux = parse_aux_layers(args.aux_layers, config.num_layers) if speculating else ()
-    engine = TargetEngine(device=args.device, dtype=args.dtype, max_slots=args.max_slots,
+    engine = TargetEngine(device=device, dtype=dtype, max_slots=args.max_slots,
                           max_context=args.max_context, cuda_graphs=not args.no_cuda_graphs, aux_layers=aux,
                           max_verify_tokens=args.k + 1, checkpoint=(config, state_dict))
-    return engine, load_tokenizer(path), path.name
+    return engine, tokenizer, name
 
 
 async def serve(args: argparse.Namespace) -> None:
     from specwire.verifier.scheduler import SchedulerConfig
     from specwire.verifier.server import VerifierServer, VerifierSettings
 
+    from specwire.forced_acceptance import forced_rates
     from specwire.metrics import VerifierMetrics
 
     if args.k < 0:
@@ -99,6 +102,9 @@ async def serve(args: argparse.Namespace) -> None:
         raise ValueError("--colocated runs the drafter in this process: leave out --drafter")
     if args.cache_branches < 0:
         raise ValueError(f"--cache-branches must be >= 0, got {args.cache_branches}")
+    forced = None
+    if args.forced_acceptance_length is not None:
+        forced = forced_rates(float(args.forced_acceptance_length), args.k)  # checks the range
     metrics = VerifierMetrics()
     if args.metrics_port is not None:
         metrics.serve(args.metrics_port)
@@ -110,7 +116,7 @@ async def serve(args: argparse.Namespace) -> None:
         scheduler=SchedulerConfig(num_speculative_tokens=args.k, max_waiting=args.max_waiting,
                                   default_max_tokens=args.default_max_tokens, draft_top_k=args.draft_top_k,
                                   cache_branches=args.cache_branches,
-                                  table_wait=table_wait),
+                                  table_wait=table_wait, forced_acceptance=forced),
     )
     server = VerifierServer(grpc_common.ServerOptions.from_args(args), settings, metrics)
 
@@ -119,9 +125,11 @@ async def serve(args: argparse.Namespace) -> None:
         link = None
         if args.colocated and args.k > 0:
             from specwire.colocated import colocated_link
+            from specwire.synthetic import head_or_random
 
             link = await asyncio.to_thread(
-                colocated_link, engine, tokenizer, metrics, head=args.head, device=args.drafter_device,
+                colocated_link, engine, tokenizer, metrics, head=head_or_random(args.model, args.head),
+                device=args.drafter_device,
                 k=args.k, max_branches=args.cache_branches, cuda_graphs=not args.no_cuda_graphs,
                 step_timeout=args.draft_timeout)
         server.service.model_name = name

@@ -45,6 +45,7 @@ from specwire.verifier.alignment import (
 from specwire.verifier.drafter_link import DrafterLink, HandshakeRefused
 
 from specwire.engine import TargetEngine
+from specwire.forced_acceptance import rates_tensor
 from specwire.metrics import VerifierMetrics
 from specwire.sampling_params import SamplingParams
 from specwire.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -137,6 +138,7 @@ class SchedulerConfig:
     # How long a finished verification waits for a table still on its way; None = half the last
     # verification's time (a hit saves a round of drafting, a long wait loses what it saves).
     table_wait: float | None = None
+    forced_acceptance: tuple[float, ...] | None = None  # benchmarks only: acceptance rate per draft position
     # Benchmarks of synthetic targets only: this share of lookups is made to hit by replacing the settled
     # bonus token with that of an entry for the same number of accepted drafts (the output is then not the
     # target's). Lets a random head show what hits cost and save.
@@ -587,6 +589,7 @@ class Scheduler:
             column([r.params.top_p for r in requests], torch.float32),
             column([r.seed for r in requests], torch.int64),
             column([len(r.tokens) for r in requests], torch.int64),
+            synthetic_acceptance=rates_tensor(self.config.forced_acceptance),
             defer_check=True,  # no wait for the device until the one copy back, which also checks
         )
         return out.token_lists()

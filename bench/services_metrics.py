@@ -1,0 +1,88 @@
+"""The services' own Prometheus /metrics, scraped before and after a measurement: where a round's time goes,
+the speculation cache's hit rate and the bytes on the drafter link, as differences between two scrapes.
+
+Families read (absent ones give None, so the bench runs against older or newer services alike):
+- verifier: specwire_verify_step_seconds (engine-thread time of one step: forward, sampling, readback),
+  specwire_drafter_rpc_latency_seconds (DraftStep sent to its result received), specwire_drafter_rpc_bytes
+  {direction}, specwire_spec_cache_lookups{result="hit"|"miss"|"late"} (the speculation cache, when present);
+- drafter: specwire_drafter_step_seconds (compute of one DraftStep).
+"""
+
+from __future__ import annotations
+
+import urllib.request
+
+from prometheus_client.parser import text_string_to_metric_families
+
+Scrape = dict[str, float]  # 'name' or 'name{label="value",...}' -> value
+
+
+def scrape(port: int | None) -> Scrape:
+    """Every sample of a /metrics endpoint; labelled samples are keyed name{k="v",...} (labels sorted)."""
+    if port is None:
+        return {}
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
+            out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+    return out
+
+
+class Delta:
+    """What changed between two scrapes of each service ('verifier', 'drafter')."""
+
+    def __init__(self, before: dict[str, Scrape], after: dict[str, Scrape]):
+        self.before, self.after = before, after
+
+    def get(self, service: str, sample: str) -> float | None:
+        after = self.after.get(service, {})
+        if sample not in after:
+            return None
+        return after[sample] - self.before.get(service, {}).get(sample, 0.0)
+
+    def mean_ms(self, service: str, family: str) -> float | None:
+        count, total = self.get(service, family + "_count"), self.get(service, family + "_sum")
+        return 1e3 * total / count if count and total is not None else None
+
+
+def round_split(delta: Delta, wall: float) -> dict[str, float | None]:
+    """Per verification step, in ms: wall (measurement wall time / steps), verify (the verifier's engine
+    thread), drafter_round_trip (the RPC as the verifier timed it), draft (the drafter's compute),
+    transport (round trip - draft: the gRPC hop and both services' Python around it) and host (wall - verify
+    - round trip: the verifier's event loop and what the overlap did not hide; negative when drafting
+    overlapped verification) and not_verify (wall - verify: everything on the critical path but the
+    verification itself, whatever overlapped)."""
+    steps = delta.get("verifier", "specwire_verify_step_seconds_count")
+    verify = delta.mean_ms("verifier", "specwire_verify_step_seconds")
+    trip = delta.mean_ms("verifier", "specwire_drafter_rpc_latency_seconds")
+    draft = delta.mean_ms("drafter", "specwire_drafter_step_seconds")
+    out = {"steps": steps, "wall": 1e3 * wall / steps if steps else None, "verify": verify,
+           "drafter_round_trip": trip, "draft": draft,
+           "transport": trip - draft if trip is not None and draft is not None else None}
+    known = [v for v in (verify, trip) if v is not None]
+    out["host"] = out["wall"] - sum(known) if out["wall"] is not None and known else None
+    out["not_verify"] = out["wall"] - verify if out["wall"] is not None and verify is not None else None
+    return out
+
+
+def cache_hit_rate(delta: Delta) -> dict[str, float | None] | None:
+    """Speculation-cache lookups by result and the hit share, or None when the verifier has no cache."""
+    family = "specwire_spec_cache_lookups_total"
+    counts = {r: delta.get("verifier", f'{family}{{result="{r}"}}') for r in ("hit", "miss", "late")}
+    if all(v is None for v in counts.values()):
+        return None
+    total = sum(v or 0.0 for v in counts.values())
+    return {**counts, "hit_rate": (counts["hit"] or 0.0) / total if total else None}
+
+
+def wire_bytes_per_step(delta: Delta) -> dict[str, float | None]:
+    """Draft-stream bytes per verification step, as the verifier counted them."""
+    steps = delta.get("verifier", "specwire_verify_step_seconds_count")
+    out = {}
+    for direction in ("sent", "received"):
+        sent = delta.get("verifier", f'specwire_drafter_rpc_bytes_total{{direction="{direction}"}}')
+        out[direction] = sent / steps if sent is not None and steps else None
+    return out

@@ -1,0 +1,64 @@
+"""A bench_services.py result file as the Markdown table the READMEs show.
+
+    python bench/services_table.py bench/results/services_h200x2.json [--temperature T] [--setups A,B]
+
+One row per point: setup, k, forced length, batch, tokens/s, speedup over target-only and its ideal
+(tau * t_target / t_verify), mean acceptance length, TTFT p50, inter-chunk latency p50 / p99, a verification
+step's split (verify / draft / transport / host, ms), GPU busy shares and drafter-link bytes per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def fmt(value: object, spec: str, suffix: str = "") -> str:
+    return format(value, spec) + suffix if isinstance(value, int | float) else "—"
+
+
+def row(r: dict) -> list[str]:
+    split = r.get("round_ms") or {}
+    busy = r.get("gpu_busy") or {}
+    wire = r.get("wire_bytes_per_step") or {}
+    itl = r.get("itl_ms") or {}
+    return [
+        r["setup"], fmt(r.get("k"), "d"), fmt(r.get("forced_acceptance_length"), "g"), fmt(r["batch"], "d"),
+        fmt(r["tokens_per_s"], ",.0f"), fmt(r.get("speedup"), ".2f", "x"),
+        fmt(r.get("ideal_speedup"), ".2f", "x"), fmt(r.get("mean_acceptance_length"), ".2f"),
+        fmt((r.get("ttft_ms") or {}).get("p50"), ".1f"),
+        f"{fmt(itl.get('p50'), '.2f')} / {fmt(itl.get('p99'), '.2f')}",
+        " / ".join(fmt(split.get(k), ".2f") for k in ("verify", "draft", "transport", "host")),
+        " / ".join(fmt(v, ".0f", "%") for k, v in sorted(busy.items()) if k.startswith("gpu")) or "—",
+        f"{fmt(wire.get('sent'), ',.0f')} / {fmt(wire.get('received'), ',.0f')}",
+    ]
+
+
+HEADER = ["setup", "k", "L", "batch", "tok/s", "speedup", "ideal", "tau", "TTFT p50 ms", "ITL p50 / p99 ms",
+          "step: verify / draft / transport / host ms", "GPU busy", "bytes/step sent / recv"]
+
+
+def table(report: dict, temperature: float = 0.0, setups: list[str] | None = None) -> str:
+    rows = [row(r) for r in report["results"]
+            if r["temperature"] == temperature and (not setups or r["setup"] in setups)]
+    lines = ["| " + " | ".join(HEADER) + " |", "|" + " --- |" * len(HEADER)]
+    return "\n".join(lines + ["| " + " | ".join(cells) + " |" for cells in rows])
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("file")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--setups", default="", help="comma-separated setups to keep (default: all)")
+    args = p.parse_args()
+    report = json.loads(Path(args.file).read_text())
+    print(f"{report['workload']}, T = {args.temperature:g}, {report['date']}, commit {report['commit']}, "
+          f"{', '.join(report['machine'].get('gpus') or [report['machine']['platform']])}\n")
+    print(table(report, args.temperature, [s for s in args.setups.split(",") if s]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

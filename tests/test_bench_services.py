@@ -1,0 +1,63 @@
+"""bench/bench_services.py on the CPU: a smoke run of the harness on the tiny synthetic shape, and its
+arithmetic (percentiles, a round's time split, the cache hit rate, bytes per step) on made-up scrapes."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parent.parent / "bench"
+sys.path.insert(0, str(BENCH))
+
+from services_client import percentiles_ms  # noqa: E402  (bench/ is not a package)
+from services_metrics import Delta, cache_hit_rate, round_split, wire_bytes_per_step  # noqa: E402
+
+VERIFY, TRIP = "specwire_verify_step_seconds", "specwire_drafter_rpc_latency_seconds"
+
+
+def test_percentiles_are_nearest_rank_in_ms():
+    got = percentiles_ms([i / 1000 for i in range(1, 101)])
+    assert got == pytest.approx({"p50": 50.0, "p90": 90.0, "p99": 99.0, "mean": 50.5})
+    assert percentiles_ms([]) is None
+
+
+def test_round_split_cache_and_bytes_from_two_scrapes():
+    draft = "specwire_drafter_step_seconds"
+    before = {"verifier": {f"{VERIFY}_count": 10, f"{VERIFY}_sum": 0.01, f"{TRIP}_count": 10,
+                           f"{TRIP}_sum": 0.01},
+              "drafter": {f"{draft}_count": 0, f"{draft}_sum": 0.0}}
+    after = {"verifier": {f"{VERIFY}_count": 110, f"{VERIFY}_sum": 0.21, f"{TRIP}_count": 110,
+                          f"{TRIP}_sum": 0.16, 'specwire_drafter_rpc_bytes_total{direction="sent"}': 5000.0,
+                          'specwire_spec_cache_lookups_total{result="hit"}': 75.0,
+                          'specwire_spec_cache_lookups_total{result="miss"}': 25.0},
+             "drafter": {f"{draft}_count": 100, f"{draft}_sum": 0.05}}
+    delta = Delta(before, after)
+    split = round_split(delta, wall=0.5)  # 100 steps in 0.5 s
+    assert split == pytest.approx({"steps": 100, "wall": 5.0, "verify": 2.0, "drafter_round_trip": 1.5,
+                                   "draft": 0.5, "transport": 1.0, "host": 1.5, "not_verify": 3.0})
+    assert cache_hit_rate(delta) == pytest.approx({"hit": 75, "miss": 25, "late": None, "hit_rate": 0.75})
+    assert cache_hit_rate(Delta(before, before)) is None
+    assert wire_bytes_per_step(delta) == {"sent": 50.0, "received": None}
+
+
+def test_the_harness_runs_the_setups_side_by_side_on_the_cpu(tmp_path):
+    """Target-only, two processes and the co-located setup (measured, or skipped with the reason when the
+    verifier does not know --colocated) on synthetic:tiny; one JSON with the schema the README reads."""
+    argv = [sys.executable, str(BENCH / "bench_services.py"), "--workloads", "synthetic", "--synthetic-shape",
+            "tiny", "--lengths", "2", "--setups", "target_only,two_gpus,colocated", "--batch-sizes", "2",
+            "--temperatures", "0", "--sweep-ks", "", "--max-tokens", "12", "--repeats", "1",
+            "--drafter-device", "cpu", "--verifier-device", "cpu", "--out-dir", str(tmp_path), "--tag", "t"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    report = json.loads((tmp_path / "services_tiny_synthetic_t.json").read_text())
+    assert report["command"] and report["commit"] and report["machine"]["cpus"] and report["date"]
+    rows = {r["setup"]: r for r in report["results"]}
+    assert rows["target_only"]["speedup"] == 1.0 and rows["target_only"]["batch"] == 2
+    spec = rows["two_gpus"]
+    assert spec["tokens"] == 24 and spec["k"] == 4 and spec["forced_acceptance_length"] == 2.0
+    assert spec["speedup"] > 0 and spec["ideal_speedup"] > 0 and spec["mean_acceptance_length"] > 1
+    assert spec["round_ms"]["verify"] > 0 and spec["round_ms"]["draft"] > 0
+    assert spec["wire_bytes_per_step"]["sent"] > 0 and spec["ttft_ms"]["p50"] > 0
+    assert "colocated" in rows or [s["setup"] for s in report["skipped"]] == ["colocated"]
