@@ -54,6 +54,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         default=env("SPECWIRE_FORCED_ACCEPTANCE_LENGTH", None), metavar="L",
                         help="benchmarks only: accept drafts at random so that a round yields L tokens on "
                              "average, in [1, k + 1], whatever they are (the output is not the target's)")
+    parser.add_argument("--forced-hit-rate", type=float, default=env("SPECWIRE_FORCED_HIT_RATE", None),
+                        metavar="R",
+                        help="benchmarks only: make this share of speculation-cache lookups hit by taking a "
+                             "table entry's bonus token (the output is not the target's)")
     parser.add_argument("--metrics-port", type=int, default=env("SPECWIRE_METRICS_PORT", None),
                         help="serve Prometheus /metrics on this port (env SPECWIRE_METRICS_PORT)")
     grpc_common.add_logging_arguments(parser)
@@ -102,6 +106,8 @@ async def serve(args: argparse.Namespace) -> None:
         raise ValueError("--colocated runs the drafter in this process: leave out --drafter")
     if args.cache_branches < 0:
         raise ValueError(f"--cache-branches must be >= 0, got {args.cache_branches}")
+    if args.forced_hit_rate is not None and not 0 <= args.forced_hit_rate <= 1:
+        raise ValueError(f"--forced-hit-rate must be in [0, 1], got {args.forced_hit_rate}")
     forced = None
     if args.forced_acceptance_length is not None:
         forced = forced_rates(float(args.forced_acceptance_length), args.k)  # checks the range
@@ -116,7 +122,8 @@ async def serve(args: argparse.Namespace) -> None:
         scheduler=SchedulerConfig(num_speculative_tokens=args.k, max_waiting=args.max_waiting,
                                   default_max_tokens=args.default_max_tokens, draft_top_k=args.draft_top_k,
                                   cache_branches=args.cache_branches,
-                                  table_wait=table_wait, forced_acceptance=forced),
+                                  table_wait=table_wait, forced_acceptance=forced,
+                                  forced_hit_rate=args.forced_hit_rate),
     )
     server = VerifierServer(grpc_common.ServerOptions.from_args(args), settings, metrics)
 
