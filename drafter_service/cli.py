@@ -82,7 +82,8 @@ def build_proposer(args: argparse.Namespace, config, target_weights: dict):
                                max_positions=args.max_context)
     proposer = EagleProposer(head, max_requests=args.max_requests, max_context=args.max_context,
                              max_drafts=args.max_drafts, max_top_k=min(args.max_top_k, head.vocab_size),
-                             cuda_graphs=not args.no_cuda_graphs, max_branches=args.max_branches)
+                             cuda_graphs=not args.no_cuda_graphs, max_branches=args.max_branches,
+                             uniform_outcomes=args.head == RANDOM_HEAD)
     return proposer, f"{head.config.arch}:{head_path.name}"
 
 

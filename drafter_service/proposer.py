@@ -90,9 +90,12 @@ class EagleProposer:
         max_top_k: int = 64,
         cuda_graphs: bool = True,
         max_branches: int = 0,
+        uniform_outcomes: bool = False,
     ):
         """cuda_graphs=False forces eager execution on CUDA; CPU always runs eagerly. max_branches: entries
-        per request of a speculation-cache table (draft_branches); each takes a KV slot of its own."""
+        per request of a speculation-cache table (draft_branches); each takes a KV slot of its own.
+        uniform_outcomes: score every number of accepted drafts alike instead of by the head's q (for random
+        heads in synthetic benchmarks, whose q would put every branch at 0 accepted)."""
         if max_drafts < 1:
             raise ProposerError(f"max_drafts must be >= 1, got {max_drafts}")
         if not 1 <= max_top_k <= head.vocab_size:
@@ -101,7 +104,7 @@ class EagleProposer:
             raise ProposerError(f"max_branches must be in [0, {head.vocab_size}], got {max_branches}")
         self.head, self.device = head, head.device
         self.max_requests, self.max_context, self.max_drafts = max_requests, max_context, max_drafts
-        self.max_top_k, self.max_branches = max_top_k, max_branches
+        self.max_top_k, self.max_branches, self.uniform_outcomes = max_top_k, max_branches, uniform_outcomes
         num_slots = max_requests * (1 + max_branches)
         self.cache = KVCache.allocate(head.config.layer, num_slots, max_context, head.dtype, self.device)
         self.requests: dict[str, _Request] = {}
@@ -480,7 +483,7 @@ class EagleProposer:
         drafted = self._slot_draft_ids.index_select(0, slots)  # [n, K]
         checked = torch.arange(K, device=self.device) < self._num_verifying[:size, None]
         q_drafted = q[:, :K].gather(2, drafted[..., None])[..., 0]
-        reach = torch.cumprod(torch.where(checked, q_drafted, 0.0), 1)
+        reach = torch.cumprod(torch.where(checked, 1.0 if self.uniform_outcomes else q_drafted, 0.0), 1)
         reach = torch.cat([torch.ones_like(reach[:, :1]), reach], 1)  # P(the first j drafts are accepted)
         q[:, :K].scatter_(2, drafted[..., None], torch.where(checked, 0.0, q_drafted)[..., None])
         score, flat = (reach[..., None] * q).flatten(1).topk(N, dim=1)  # [n, N]
