@@ -133,22 +133,39 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
         loop = asyncio.get_running_loop()
         log.info("draft stream opened", extra={"stream": stream, "peer": context.peer()})
         steps = _StepReader(context, self.draining)
+        # Steps are read while the worker drafts. When several wait, the older ones only apply their updates
+        # and answer without drafts: their tables would come after the verifications they were for had
+        # ended, and drafting them would make every later table late too.
+        inbox: asyncio.Queue = asyncio.Queue(maxsize=64)
+        reader = loop.create_task(self._read_steps(steps, inbox))
         try:
-            while (step := await steps.next()) is not None:
+            while (step := await inbox.get()) is not None:
+                fresh = inbox.empty()  # else a newer step (or the stream's end) is waiting
                 self.metrics.rpc_bytes["received"].inc(step.ByteSize())
-                result = await loop.run_in_executor(self._worker, self.run_step, stream, owned, step)
+                result = await loop.run_in_executor(self._worker, self.run_step, stream, owned, step, fresh)
                 self.metrics.rpc_bytes["sent"].inc(result.ByteSize())
                 await context.write(result)
         finally:
+            reader.cancel()
+            await asyncio.gather(reader, return_exceptions=True)
             steps.close()
             await loop.run_in_executor(self._worker, self._free_all, owned)
             log.info("draft stream closed", extra={"stream": stream})
 
+    @staticmethod
+    async def _read_steps(steps: _StepReader, inbox: asyncio.Queue) -> None:
+        """Moves the stream's steps into `inbox`, then None at its end (a full inbox holds the reads back)."""
+        while (step := await steps.next()) is not None:
+            await inbox.put(step)
+        await inbox.put(None)
+
     # ------------------------------------------------------------------------------------------ worker
 
     @torch.inference_mode()
-    def run_step(self, stream: int, owned: set[str], step: pb.DraftStep) -> pb.DraftResult:
-        """Applies `step`'s updates, then drafts for its wants (on the proposer's thread)."""
+    def run_step(self, stream: int, owned: set[str], step: pb.DraftStep, draft: bool = True
+                 ) -> pb.DraftResult:
+        """Applies `step`'s updates, then drafts for its wants (on the proposer's thread); draft=False answers
+        a stale step with its updates applied and no drafts."""
         started = time.perf_counter()
         result = pb.DraftResult(step_id=step.step_id)
         for update in step.updates:
@@ -161,7 +178,7 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
                 reason = "bad_tensor" if isinstance(e, WireError) else "unknown_request"
                 self.metrics.bad_payloads.labels(reason=reason).inc()
                 log.warning("update dropped", extra={"request_id": update.request_id, "reason": str(e)})
-        wanted = [w for w in step.wants if f"{stream}/{w.request_id}" in self._known]
+        wanted = [w for w in step.wants if draft and f"{stream}/{w.request_id}" in self._known]
         wanted = list({w.request_id: w for w in wanted}.values())  # one row per request
         for serve, wants in ((self._propose, [w for w in wanted if not w.num_branches]),
                              (self._draft_tables, [w for w in wanted if w.num_branches])):

@@ -444,8 +444,8 @@ class GarbageDrafter(DrafterService):
         super().__init__(*args, **kwargs)
         self.turn = 0
 
-    def run_step(self, stream, owned, step):
-        result = super().run_step(stream, owned, step)
+    def run_step(self, stream, owned, step, draft=True):
+        result = super().run_step(stream, owned, step, draft)
         for proposal in result.proposals:
             self.corrupt(proposal)
         return result
