@@ -1,7 +1,7 @@
 """Both services end to end over gRPC, setups side by side in one run: drafter and verifier on two GPUs,
 both in one process on one GPU (co-located), target-only on our engine (a verifier with --k 0) and
 transformers `generate()`; on SmolLM2 with the shipped head and on a Llama-3.1-8B-shaped synthetic target at
-forced mean acceptance lengths; at several batch sizes, temperatures and k.
+forced mean acceptance lengths and speculation-cache hit rates; at several batch sizes, temperatures and k.
 
     python bench/bench_services.py --model /root/m/smol.gguf --drafter-device cuda:0 \
         --verifier-device cuda:1 --out-dir bench/results --tag h200x2
@@ -47,12 +47,16 @@ from pathlib import Path
 from gpu_busy import GpuBusy  # bench/ modules: scripts run as `python bench/<name>.py`
 from services_client import Client, read_prompts, summarize
 from services_metrics import Delta, cache_hit_rate, round_split, scrape, wire_bytes_per_step
-from services_setups import SETUPS, Devices, Fleet, SetupUnavailable, Workload, run_transformers
+from services_setups import SETUPS, Devices, Fleet, HitRate, SetupUnavailable, Workload, run_transformers
 from specwire.drafter.cli import DEFAULT_HEAD
 
 from specwire.default_model import resolve_model_path
 
-DEFAULT_PROMPTS = Path(__file__).parent / "data" / "heldout_smollm2_eagle.jsonl"
+DEFAULT_PROMPTS = Path(__file__).parent / "data" / "heldout_chat_sharegpt.jsonl"
+
+
+def hit_rate(text: str) -> HitRate:
+    return "off" if text.strip() == "off" else float(text)
 
 
 def csv(kind: Callable[[str], object]) -> Callable[[str], list]:
@@ -71,13 +75,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="forced mean acceptance lengths of the synthetic workload, first = first measured")
     p.add_argument("--verifier-args", default="",
                    help="more flags for the smollm2 workload's speculative verifiers ('--cache-branches 0')")
-    p.add_argument("--synthetic-verifier-args", default="--cache-branches 0 --aux-layers none",
-                   help="more flags for the synthetic workload's speculative verifiers (default: serial "
-                        "drafting, since a random head's speculation-cache lookups all miss, and no "
-                        "EAGLE-3 taps, which its EAGLE-1 head does not read; once the verifier has "
-                        "--forced-hit-rate, e.g. '--forced-hit-rate 0.8 --aux-layers none')")
+    p.add_argument("--synthetic-verifier-args", default="--aux-layers none",
+                   help="more flags for the synthetic workload's speculative verifiers (default: no EAGLE-3 "
+                        "taps, which its random EAGLE-1 head does not read)")
+    p.add_argument("--hit-rates", type=csv(hit_rate), default=[0.8, "off"],
+                   help="the synthetic workload's speculation cache, first = first measured: R = "
+                        "--forced-hit-rate R (a random head never guesses the bonus token itself), 'off' = "
+                        "--cache-branches 0, serial drafting (default 0.8,off)")
     p.add_argument("--prompts", default=str(DEFAULT_PROMPTS), help="JSONL prompt file")
-    p.add_argument("--prompt-source", default="self_instruct",
+    p.add_argument("--prompt-source", default="",
                    help="keep rows whose 'source' starts with this ('' = all; rows without one are kept)")
     p.add_argument("--max-prompt-bytes", type=int, default=800,
                    help="leave out longer prompts (the synthetic tokenizer makes a token of every byte)")
@@ -121,7 +127,7 @@ def workloads(args: argparse.Namespace) -> list[Workload]:
         elif name == "synthetic":
             shape = args.synthetic_shape
             out.append(Workload(f"synthetic-{shape}", f"synthetic:{shape}", None, tuple(args.lengths),
-                                tuple(shlex.split(args.synthetic_verifier_args))))
+                                tuple(shlex.split(args.synthetic_verifier_args)), tuple(args.hit_rates)))
         else:
             raise SystemExit(f"unknown workload {name!r} (smollm2, synthetic)")
     return out
@@ -134,28 +140,35 @@ def out_file(args: argparse.Namespace, w: Workload) -> Path:
     return Path(args.out_dir) / f"services_{shape}_synthetic_{args.tag}.json"
 
 
-Job = tuple[Workload, str, int, float | None, list[int]]  # workload, setup, k, forced length, batch sizes
+# workload, setup, k, forced length, speculation cache (HitRate), batch sizes
+Job = tuple[Workload, str, int, float | None, HitRate, list[int]]
 
 
 def jobs(args: argparse.Namespace, ws: list[Workload]) -> list[Job]:
     """The configurations in the order they run: target-only first (every speedup needs it), then two GPUs
-    at the first length, the other lengths, co-located, transformers, the k sweep."""
+    at the first length and cache setting, the other lengths, the other cache settings, co-located,
+    transformers, the k sweep."""
     out = []
-    for phase in range(6):
+    two, co = "two_gpus" in args.setups, "colocated" in args.setups
+    for phase in range(7):
         for w in ws:
-            first, rest = w.lengths[:1], w.lengths[1:]
+            length, hit = w.lengths[0], w.hit_rates[0]
             if phase == 0 and "target_only" in args.setups:
-                out.append((w, "target_only", 0, None, args.batch_sizes))
-            for length in {1: first, 2: rest}.get(phase, ()):
-                if "two_gpus" in args.setups:
-                    out += [(w, "two_gpus", k, length, args.batch_sizes) for k in args.ks]
-            if phase == 3 and "colocated" in args.setups:
-                lengths = [x for x in w.lengths if x in args.colocated_lengths] or first
-                out += [(w, "colocated", k, x, args.batch_sizes) for k in args.ks for x in lengths]
-            if phase == 4 and "transformers" in args.setups:
-                out.append((w, "transformers", 0, None, args.hf_batch_sizes))
-            if phase == 5 and "two_gpus" in args.setups:
-                out += [(w, "two_gpus", k, first[0], args.sweep_batch_sizes) for k in args.sweep_ks
+                out.append((w, "target_only", 0, None, None, args.batch_sizes))
+            if phase == 1 and two:
+                out += [(w, "two_gpus", k, length, hit, args.batch_sizes) for k in args.ks]
+            if phase == 2 and two:
+                out += [(w, "two_gpus", k, x, hit, args.batch_sizes) for x in w.lengths[1:] for k in args.ks]
+            if phase == 3 and two:
+                out += [(w, "two_gpus", k, length, h, args.batch_sizes)
+                        for h in w.hit_rates[1:] for k in args.ks]
+            if phase == 4 and co:
+                lengths = [x for x in w.lengths if x in args.colocated_lengths] or [length]
+                out += [(w, "colocated", k, x, hit, args.batch_sizes) for k in args.ks for x in lengths]
+            if phase == 5 and "transformers" in args.setups:
+                out.append((w, "transformers", 0, None, None, args.hf_batch_sizes))
+            if phase == 6 and two:
+                out += [(w, "two_gpus", k, length, hit, args.sweep_batch_sizes) for k in args.sweep_ks
                         if k not in args.ks]
     return out
 
@@ -209,13 +222,13 @@ def compare(row: dict, base: dict | None, real_model: bool) -> dict:
 
 def run_job(fleet: Fleet, client: Client, job: Job, prompts: list[str], args: argparse.Namespace
             ) -> list[dict]:
-    w, setup, k, length, batches = job
+    w, setup, k, length, hit, batches = job
     devices = fleet.devices
     if setup == "transformers":
         got = run_transformers(w, devices.verifier, prompts, batches, args.hf_temperatures,
                                args.hf_max_tokens, fleet.logs, timeout=max(60.0, args.budget_seconds))
         return [{**r, "cache_implementation": r.pop("cache")} for r in got["results"]]
-    service = fleet.verifier(w, setup, k, length)
+    service = fleet.verifier(w, setup, k, length, hit)
     try:
         ports = {"verifier": fleet.metrics_port(service),
                  "drafter": fleet.metrics_port(fleet.drafters.get(w.name)) if setup == "two_gpus" else None}
@@ -274,14 +287,17 @@ def report(w: Workload, rows: list[dict], skipped: list[dict], header: dict) -> 
         results.append({k: v for k, v in (r | extra).items() if not k.startswith("_")})
     head = w.head or ("random EAGLE-1 (synthetic)" if w.synthetic else "default")
     lengths = list(w.lengths) if w.synthetic else None
+    hits = list(w.hit_rates) if w.synthetic else None
     return {**header, "workload": w.name, "model": w.model, "head": head,
             "verifier_args": list(w.verifier_args),
-            "forced_acceptance_lengths": lengths, "results": results, "skipped": skipped}
+            "forced_acceptance_lengths": lengths, "forced_hit_rates": hits, "results": results,
+            "skipped": skipped}
 
 
 def print_table(name: str, results: list[dict]) -> None:
     print(f"\n{name}")
     columns = [("setup", "setup", ">12"), ("k", "k", ">2"), ("L", "forced_acceptance_length", ">4.1f"),
+               ("hit", "forced_hit_rate", ">4"),
                ("T", "temperature", ">3.0f"), ("batch", "batch", ">5"), ("tok/s", "tokens_per_s", ">9.1f"),
                ("speedup", "speedup", ">7.2f"), ("ideal", "ideal_speedup", ">6.2f"),
                ("tau", "mean_acceptance_length", ">5.2f"), ("TTFT p50", "ttft_ms", ">9.1f"),
@@ -325,14 +341,14 @@ def main(argv: list[str] | None = None) -> int:
     client, pace = Client(args.client_processes), Pace()
     try:
         for job in plan:
-            w, setup, k, length, batches = job
-            where = {"setup": setup, "k": k, "forced_acceptance_length": length}
+            w, setup, k, length, hit, batches = job
+            where = {"setup": setup, "k": k, "forced_acceptance_length": length, "forced_hit_rate": hit}
             reason = unavailable.get(setup)
             elapsed, expected = time.monotonic() - started, pace.expect(w.name, setup, len(batches))
             if reason is None and elapsed + expected > args.budget_seconds:
                 reason = f"budget: {args.budget_seconds:.0f} s, at {elapsed:.0f} s, expected {expected:.0f} s"
             if reason is None:
-                print(f"[{elapsed:6.1f} s] {w.name}: {setup} k={k} L={length}", flush=True)
+                print(f"[{elapsed:6.1f} s] {w.name}: {setup} k={k} L={length} hit={hit}", flush=True)
                 try:
                     rows[w.name] += [{**where, **r} for r in run_job(fleet, client, job, prompts, args)]
                     pace.record(w.name, setup, len(batches), time.monotonic() - started - elapsed)
@@ -341,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
                 except Exception as e:  # recorded with the run; the other configurations go on
                     reason = f"failed: {type(e).__name__}: {' '.join(str(e).split())[:500]}"
             if reason is not None:
-                print(f"  skipped {w.name} {setup} k={k} L={length}: {reason}", flush=True)
+                print(f"  skipped {w.name} {setup} k={k} L={length} hit={hit}: {reason}", flush=True)
                 skipped[w.name].append({**where, "batches": batches, "reason": reason})
             for x in ws:  # after every configuration: a run cut short keeps what it measured
                 path = out_file(args, x)

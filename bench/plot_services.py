@@ -25,8 +25,8 @@ SPLIT = ("verify", "draft", "transport", "host")
 def label(r: dict) -> str:
     if r["setup"] in ("target_only", "transformers"):
         return r["setup"]
-    length = r.get("forced_acceptance_length")
-    return f"{r['setup']} k={r['k']}" + (f" L={length:g}" if length else "")
+    length, hit = r.get("forced_acceptance_length"), r.get("forced_hit_rate")
+    return f"{r['setup']} k={r['k']}" + (f" L={length:g}" if length else "") + (f" hit={hit}" if hit else "")
 
 
 def series(results: list[dict], temperature: float = 0.0) -> dict[str, list[dict]]:

@@ -6,7 +6,8 @@
 #   call 2, carry [".devcarry/smol.part.ab", ".devcarry/wmin"]:  SPECWIRE_COMMIT=<sha> bash bench/run_services_h200x2.sh
 #
 # Call 2 joins the model, runs bench/bench_services.py's default grid (SmolLM2 + shipped head, and the synthetic
-# Llama-3.1-8B shape at forced mean acceptance lengths 3, 2, 4; drafter on GPU 0, verifier on GPU 1), starting
+# Llama-3.1-8B shape at forced mean acceptance lengths 3, 2, 4, with a forced cache hit rate of 0.8 and
+# without the cache; drafter on GPU 0, verifier on GPU 1), starting
 # no configuration after BUDGET seconds (default 500), then plots. $OUT gets services_h200x2.json,
 # services_8b_synthetic_h200x2.json, their PNGs, bench.log and service_logs.tar.gz. Extra arguments go to
 # bench_services.py and override its defaults.

@@ -21,6 +21,7 @@ from pathlib import Path
 from specwire.commands.demo import Service, free_port, start, stop, wait_drafter_connected, wait_serving
 
 SETUPS = ("two_gpus", "colocated", "target_only", "transformers")
+HitRate = float | str | None  # a forced speculation-cache hit rate, "off" (no cache) or None (the defaults)
 
 
 class SetupUnavailable(RuntimeError):
@@ -34,6 +35,7 @@ class Workload:
     head: str | None  # None: the drafter's default (the shipped head, or a random one for synthetic models)
     lengths: tuple[float | None, ...]  # forced mean acceptance lengths (None: the head's own acceptance)
     verifier_args: tuple[str, ...] = ()  # appended to every speculative verifier's command line
+    hit_rates: tuple[HitRate, ...] = (None,)
 
     @property
     def synthetic(self) -> bool:
@@ -91,7 +93,8 @@ class Fleet:
                 "--max-context", str(self.max_context)])
         return self.drafters[w.name]
 
-    def verifier(self, w: Workload, setup: str, k: int, length: float | None) -> Service:
+    def verifier(self, w: Workload, setup: str, k: int, length: float | None, hit: HitRate = None
+                 ) -> Service:
         """A verifier for one configuration (stop it with `stop` when its points are measured)."""
         argv = ["verifier", "--model", w.model, *self.devices.flag("verifier"),
                 "--k", str(0 if setup == "target_only" else k), "--max-slots", str(self.max_batch),
@@ -103,8 +106,9 @@ class Fleet:
                      *(["--drafter-device", self.devices.verifier] if self.devices.verifier else [])]
         if setup != "target_only":
             argv += [*(["--forced-acceptance-length", str(length)] if length is not None else []),
-                     *w.verifier_args]
-        service = self._start(f"verifier-{w.name}-{setup}-k{k}-L{length}", argv)
+                     *(["--cache-branches", "0"] if hit == "off" else []),
+                     *(["--forced-hit-rate", str(hit)] if isinstance(hit, float) else []), *w.verifier_args]
+        service = self._start(f"verifier-{w.name}-{setup}-k{k}-L{length}-hit{hit}", argv)
         if setup == "two_gpus" and not wait_drafter_connected(service.port, 120):
             self.stop(service)
             raise RuntimeError(f"the verifier never connected to the drafter (logs: {self.logs})")

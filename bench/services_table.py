@@ -25,7 +25,8 @@ def row(r: dict) -> list[str]:
     wire = r.get("wire_bytes_per_step") or {}
     itl = r.get("itl_ms") or {}
     return [
-        r["setup"], fmt(r.get("k"), "d"), fmt(r.get("forced_acceptance_length"), "g"), fmt(r["batch"], "d"),
+        r["setup"], fmt(r.get("k"), "d"), fmt(r.get("forced_acceptance_length"), "g"),
+        str(r["forced_hit_rate"]) if r.get("forced_hit_rate") is not None else "—", fmt(r["batch"], "d"),
         fmt(r["tokens_per_s"], ",.0f"), fmt(r.get("speedup"), ".2f", "x"),
         fmt(r.get("ideal_speedup"), ".2f", "x"), fmt(r.get("mean_acceptance_length"), ".2f"),
         fmt((r.get("ttft_ms") or {}).get("p50"), ".1f"),
@@ -36,8 +37,9 @@ def row(r: dict) -> list[str]:
     ]
 
 
-HEADER = ["setup", "k", "L", "batch", "tok/s", "speedup", "ideal", "tau", "TTFT p50 ms", "ITL p50 / p99 ms",
-          "step: verify / draft / transport / host ms", "GPU busy", "bytes/step sent / recv"]
+HEADER = ["setup", "k", "L", "hit", "batch", "tok/s", "speedup", "ideal", "tau", "TTFT p50 ms",
+          "ITL p50 / p99 ms", "step: verify / draft / transport / host ms", "GPU busy",
+          "bytes/step sent / recv"]
 
 
 def table(report: dict, temperature: float = 0.0, setups: list[str] | None = None) -> str:

@@ -46,7 +46,8 @@ def test_the_harness_runs_the_setups_side_by_side_on_the_cpu(tmp_path):
     """Target-only, two processes and the co-located setup (measured, or skipped with the reason when the
     verifier does not know --colocated) on synthetic:tiny; one JSON with the schema the README reads."""
     argv = [sys.executable, str(BENCH / "bench_services.py"), "--workloads", "synthetic", "--synthetic-shape",
-            "tiny", "--lengths", "2", "--setups", "target_only,two_gpus,colocated", "--batch-sizes", "2",
+            "tiny", "--lengths", "2", "--hit-rates", "1.0", "--setups", "target_only,two_gpus,colocated",
+            "--batch-sizes", "2",
             "--temperatures", "0", "--sweep-ks", "", "--max-tokens", "12", "--repeats", "1",
             "--drafter-device", "cpu", "--verifier-device", "cpu", "--out-dir", str(tmp_path), "--tag", "t"]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=240)
@@ -57,6 +58,7 @@ def test_the_harness_runs_the_setups_side_by_side_on_the_cpu(tmp_path):
     assert rows["target_only"]["speedup"] == 1.0 and rows["target_only"]["batch"] == 2
     spec = rows["two_gpus"]
     assert spec["tokens"] == 24 and spec["k"] == 4 and spec["forced_acceptance_length"] == 2.0
+    assert spec["forced_hit_rate"] == 1.0 and spec["cache"]["hit"] > 0
     assert spec["speedup"] > 0 and spec["ideal_speedup"] > 0 and spec["mean_acceptance_length"] > 1
     assert spec["round_ms"]["verify"] > 0 and spec["round_ms"]["draft"] > 0
     assert spec["wire_bytes_per_step"]["sent"] > 0 and spec["ttft_ms"]["p50"] > 0
