@@ -46,6 +46,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=0,
         help="speculation-cache table entries per request (default 0: draft each round)",
     )
+    parser.add_argument(
+        "--table-wait-ms",
+        type=float,
+        default=None,
+        help="how long a verification waits for its table (default: half a verification; a long wait "
+        "measures how often the table holds the outcome, whatever the drafter's speed)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -79,6 +86,7 @@ def run(args: argparse.Namespace) -> int:
             params,
             k=args.k,
             cache_branches=args.cache_branches,
+            table_wait=None if args.table_wait_ms is None else args.table_wait_ms / 1e3,
             draft_top_k=args.draft_top_k,
             cuda_graphs=not args.no_cuda_graphs,
         )
@@ -170,6 +178,7 @@ async def speculate(
     params: list[SamplingParams],
     k: int,
     cache_branches: int = 0,
+    table_wait: float | None = None,
     draft_top_k: int = 32,
     cuda_graphs: bool = True,
 ) -> LocalRun:
@@ -196,6 +205,7 @@ async def speculate(
         max_waiting=len(prompts),
         draft_top_k=draft_top_k,
         cache_branches=cache_branches,
+        table_wait=table_wait,
     )
     scheduler = Scheduler(engine, tokenizer, metrics, config, link)
     scheduler.start()
