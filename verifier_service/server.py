@@ -31,8 +31,8 @@ _FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH, "ab
 
 
 class GenerationService(generation_pb2_grpc.GenerationServicer):
-    def __init__(self, model_name: str):
-        self.model_name = model_name
+    def __init__(self, model_name: str, metrics: VerifierMetrics):
+        self.model_name, self.metrics = model_name, metrics
         self.scheduler: Scheduler | None = None  # set once the model is loaded; until then UNAVAILABLE
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
@@ -43,6 +43,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             prompt, params = self.parse(request)
             r = self.scheduler.submit(prompt, params, request_id)
         except RequestError as e:
+            self.metrics.rejected[pb.ErrorCode.Name(e.code).removeprefix("ERROR_CODE_").lower()].inc()
             yield pb.GenerateResponse(request_id=request_id, error=pb.Error(code=e.code, message=str(e)))
             return
         done = False
@@ -144,7 +145,7 @@ class VerifierServer:
                  metrics: VerifierMetrics | None = None):
         self.settings, self.metrics = settings, metrics or VerifierMetrics()
         self.grpc = grpc_common.GrpcServer(options)
-        self.service = GenerationService(settings.model_name)
+        self.service = GenerationService(settings.model_name, self.metrics)
         add = generation_pb2_grpc.add_GenerationServicer_to_server
         self.grpc.add_service(grpc_common.GENERATION_SERVICE, add, self.service, require_token=True)
         self.scheduler: Scheduler | None = None
@@ -162,6 +163,11 @@ class VerifierServer:
         if s.drafter:
             link = DrafterLink(s.drafter, self.metrics, s.drafter_channel, step_timeout=s.step_timeout)
         self.scheduler = Scheduler(engine, tokenizer, self.metrics, s.scheduler, link)
+        m = self.metrics
+        m.max_requests_waiting.set(s.scheduler.max_waiting)
+        m.kv_slots.labels(state="total").set(engine.max_slots)
+        # Read at scrape time, so the gauge is never stale (the soak checks it returns to 0).
+        m.kv_slots.labels(state="used").set_function(lambda: engine.max_slots - engine.num_free_slots)
         self.scheduler.start()
         self.service.scheduler = self.scheduler
 
