@@ -123,3 +123,59 @@ def test_node_client_gets_in_band_errors(server_address, node_client):
     node = subprocess.run([*node_client, *args], capture_output=True, text=True, timeout=60)
     assert node.returncode == 1 and node.stdout == ""
     assert "ERROR_CODE_INVALID_ARGUMENT: top_p must be in (0, 1], got 1.5" in node.stderr
+
+
+# ---------------------------------------------------------------- chat messages (system / user / assistant)
+
+CONVERSATION = [
+    {"role": "system", "content": "You are a terse assistant. Answer in one short sentence."},
+    {"role": "user", "content": "What is the capital of France?"},
+    {"role": "assistant", "content": "Paris."},
+    {"role": "user", "content": "And of Italy?"},
+]
+
+
+@pytest.fixture(scope="module")
+def conversation_reference(hf_tokenizer) -> dict:
+    """transformers renders the two-turn conversation with the model's chat template; `specwire generate`
+    decodes those ids target-only (in-process, no services)."""
+    ids = hf_tokenizer.apply_chat_template(CONVERSATION, add_generation_prompt=True, tokenize=True)
+    ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+    done = _specwire("generate", "--device", "cpu", "--prompt-ids", ",".join(map(str, ids)),
+                     "--max-tokens", str(MAX_TOKENS), "--json")
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout) | {"prompt_tokens": len(ids)}
+
+
+def test_python_client_sends_a_conversation(server_address, conversation_reference, tmp_path):
+    path = tmp_path / "conversation.json"
+    path.write_text(json.dumps(CONVERSATION))
+    done = _python_client("--server", server_address, "--messages", str(path), "--max-tokens", str(MAX_TOKENS),
+                          "--json")
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assert (result["token_ids"], result["text"]) == (conversation_reference["token_ids"],
+                                                     conversation_reference["text"])
+    assert result["stats"]["prompt_tokens"] == conversation_reference["prompt_tokens"]
+
+
+def test_python_client_refuses_a_malformed_conversation(server_address, tmp_path):
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps([{"role": "robot", "content": "beep"}]))
+    refused = _python_client("--server", server_address, "--messages", str(path))
+    assert refused.returncode == 1
+    assert "INVALID_ARGUMENT: messages[0].role is 'robot', not one of system, user, assistant" in refused.stderr
+    path.write_text("{not json")
+    bad_flag = _python_client("--server", server_address, "--messages", str(path))
+    assert bad_flag.returncode == 2 and "--messages is not JSON" in bad_flag.stderr
+
+
+def test_node_client_sends_a_two_turn_conversation(server_address, conversation_reference, node_client):
+    args = ["--server", server_address, "--messages", json.dumps(CONVERSATION), "--max-tokens", str(MAX_TOKENS)]
+    node = subprocess.run([*node_client, *args], capture_output=True, text=True, timeout=60)
+    assert node.returncode == 0, node.stderr
+    result = json.loads(node.stdout)
+    assert (result["token_ids"], result["text"]) == (conversation_reference["token_ids"],
+                                                     conversation_reference["text"])
+    assert result["usage"]["prompt_tokens"] == conversation_reference["prompt_tokens"]
+    assert result["usage"]["speculative"] is True

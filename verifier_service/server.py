@@ -100,8 +100,11 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         elif prompt_kind == "text" and request.text:
             text = request.text
             if request.chat:
-                text = s.tokenizer.apply_chat_template([{"role": "user", "content": text}])
+                text = _render_chat(s.tokenizer, [{"role": "user", "content": text}])
             prompt = s.tokenizer.encode(text, add_special_tokens=not request.chat)  # a template holds them
+        elif prompt_kind == "messages":  # `chat` is implied; the rendered template holds the special tokens
+            messages = [{"role": m.role, "content": m.content} for m in request.messages.messages]
+            prompt = s.tokenizer.encode(_render_chat(s.tokenizer, messages), add_special_tokens=False)
         else:
             prompt = []
         sp = request.sampling
@@ -125,6 +128,26 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             speculative=r.draft_tokens > 0,
         )
         return pb.Complete(finish_reason=_FINISH[r.finish_reason], usage=usage, matched_stop=r.matched_stop)
+
+
+CHAT_ROLES = ("system", "user", "assistant")
+
+
+def _render_chat(tokenizer: Tokenizer, messages: list[dict[str, str]]) -> str:
+    """The conversation through the model's chat template; RequestError(INVALID_ARGUMENT) if it cannot be."""
+    invalid = pb.ERROR_CODE_INVALID_ARGUMENT
+    if not messages:
+        raise RequestError(invalid, "messages is empty: send at least one user message")
+    for i, m in enumerate(messages):
+        if m["role"] not in CHAT_ROLES:
+            roles = ", ".join(CHAT_ROLES)
+            raise RequestError(invalid, f"messages[{i}].role is {m['role']!r}, not one of {roles}")
+    if not any(m["role"] == "user" for m in messages):
+        raise RequestError(invalid, "messages has no user message")
+    try:
+        return tokenizer.apply_chat_template(messages)
+    except ValueError as e:  # no template, or the template itself refused the conversation
+        raise RequestError(invalid, str(e)) from None
 
 
 @dataclass
