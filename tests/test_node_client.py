@@ -150,8 +150,8 @@ def conversation_reference(hf_tokenizer) -> dict:
 def test_python_client_sends_a_conversation(server_address, conversation_reference, tmp_path):
     path = tmp_path / "conversation.json"
     path.write_text(json.dumps(CONVERSATION))
-    done = _python_client("--server", server_address, "--messages", str(path), "--max-tokens", str(MAX_TOKENS),
-                          "--json")
+    done = _python_client("--server", server_address, "--messages", str(path),
+                          "--max-tokens", str(MAX_TOKENS), "--json")
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout)
     assert (result["token_ids"], result["text"]) == (conversation_reference["token_ids"],
@@ -164,14 +164,16 @@ def test_python_client_refuses_a_malformed_conversation(server_address, tmp_path
     path.write_text(json.dumps([{"role": "robot", "content": "beep"}]))
     refused = _python_client("--server", server_address, "--messages", str(path))
     assert refused.returncode == 1
-    assert "INVALID_ARGUMENT: messages[0].role is 'robot', not one of system, user, assistant" in refused.stderr
+    roles = "not one of system, user, assistant"
+    assert f"INVALID_ARGUMENT: messages[0].role is 'robot', {roles}" in refused.stderr
     path.write_text("{not json")
     bad_flag = _python_client("--server", server_address, "--messages", str(path))
     assert bad_flag.returncode == 2 and "--messages is not JSON" in bad_flag.stderr
 
 
 def test_node_client_sends_a_two_turn_conversation(server_address, conversation_reference, node_client):
-    args = ["--server", server_address, "--messages", json.dumps(CONVERSATION), "--max-tokens", str(MAX_TOKENS)]
+    args = ["--server", server_address, "--messages", json.dumps(CONVERSATION),
+            "--max-tokens", str(MAX_TOKENS)]
     node = subprocess.run([*node_client, *args], capture_output=True, text=True, timeout=60)
     assert node.returncode == 0, node.stderr
     result = json.loads(node.stdout)
