@@ -5,6 +5,7 @@ of `specwire generate` (target-only, in-process, no gRPC), and the server's in-b
 """
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -12,6 +13,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from tools import require_tool
 
 from specwire.commands.demo import start, stop, wait_drafter_connected, wait_serving
 
@@ -52,9 +54,8 @@ def server_address():
 
 @pytest.fixture(scope="module")
 def node_client() -> list[str]:
-    node, npm = shutil.which("node"), shutil.which("npm")
-    if node is None or npm is None:
-        pytest.skip("node and npm are needed for the Node.js client test (apt-get install nodejs npm)")
+    install = "apt-get install nodejs npm (make system-tools)"
+    node, npm = require_tool("node", install), require_tool("npm", install)
     version = subprocess.run([node, "--version"], capture_output=True, text=True).stdout.strip()
     major = int(version.lstrip("v").split(".")[0])
     if major < 18:
@@ -62,7 +63,8 @@ def node_client() -> list[str]:
     ci = subprocess.run([npm, "ci", "--ignore-scripts", "--no-audit", "--no-fund"], cwd=NODE_DIR,
                         capture_output=True, text=True, timeout=600)
     if ci.returncode != 0:
-        pytest.skip(f"npm ci failed (offline registry?): {ci.stderr.strip().splitlines()[-1:]}")
+        message = f"npm ci failed (offline registry?): {ci.stderr.strip().splitlines()[-1:]}"
+        (pytest.fail if os.environ.get("CI") else pytest.skip)(message)
     return [node, str(NODE_DIR / "generate_client.js")]
 
 
