@@ -121,14 +121,14 @@ class Drafter:
 
 class Verifier:
     def __init__(self, loop: Loop, checkpoint, tokenizer, drafter_port: int | None, max_slots: int = 16,
-                 overlap: bool = True, step_timeout: float = 5.0, device: str = "cpu"):
+                 overlap: bool = True, step_timeout: float = 5.0, device: str = "cpu", max_waiting: int = 64):
         self.loop, self.metrics = loop, VerifierMetrics()
         self.engine = TargetEngine(checkpoint=checkpoint, device=device, dtype=torch.float32,
                                    max_slots=max_slots, max_context=MAX_CONTEXT)
         settings = VerifierSettings(
             drafter=f"127.0.0.1:{drafter_port}" if drafter_port else None, step_timeout=step_timeout,
-            scheduler=SchedulerConfig(num_speculative_tokens=K, max_waiting=64, default_max_tokens=16,
-                                      overlap=overlap),
+            scheduler=SchedulerConfig(num_speculative_tokens=K, max_waiting=max_waiting,
+                                      default_max_tokens=16, overlap=overlap),
             model_name="tiny",
         )
         self.port = loop.run(self._start(settings, tokenizer))
