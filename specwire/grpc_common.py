@@ -80,7 +80,8 @@ def add_model_arguments(parser: argparse.ArgumentParser, dtype_of: str) -> None:
     parser.add_argument("--model", default=env("SPECWIRE_MODEL", None),
                         help="the target model: GGUF file or Hugging Face directory "
                              "(default: SmolLM2-135M-Instruct)")
-    parser.add_argument("--device", default=env("SPECWIRE_DEVICE", None), help="cpu or cuda[:N]")
+    parser.add_argument("--device", default=env("SPECWIRE_DEVICE", None),
+                        help="cpu or cuda[:N] (default: cuda if available, else cpu; env SPECWIRE_DEVICE)")
     parser.add_argument("--dtype", default=env("SPECWIRE_DTYPE", None), choices=["bf16", "fp16", "fp32"],
                         help=f"{dtype_of} (default: bf16 on CUDA, fp32 on CPU)")
 
