@@ -150,3 +150,28 @@ def test_the_soak_check_catches_loss_duplication_and_errors():
     for request_id in "bcde":
         assert any(line.startswith(f"{request_id} (") for line in found), (request_id, found)
     assert any("named another request" in line for line in found)
+
+
+def test_undecodable_bytes_on_both_real_services_get_invalid_argument(world):
+    """Junk on the verifier's Generate and on the drafter's internal Draft stream: INVALID_ARGUMENT, and
+    both keep serving (the verifier's own Draft stream stays up, greedy output stays exact)."""
+    import grpc
+
+    raw = {"request_serializer": lambda b: b, "response_deserializer": lambda b: b}
+    junk = b"\xff\xff\xff\xff\x0f"
+    codes = []
+    for port, method, kind in ((world.verifier.port, "/specwire.v1.Generation/Generate", "unary_stream"),
+                               (world.drafter.port, "/specwire.v1.Drafter/Draft", "stream_stream")):
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            call = getattr(channel, kind)(method, **raw)
+            for _ in range(5):
+                try:
+                    list(call(junk if kind == "unary_stream" else iter([junk]), timeout=10))
+                    codes.append(grpc.StatusCode.OK)
+                except grpc.RpcError as e:
+                    codes.append(e.code())
+    assert codes == [grpc.StatusCode.INVALID_ARGUMENT] * 10
+    assert world.verifier.info().speculation.drafter_connected
+    batch = prompts(3, seed=35)
+    results = generate_all(world.verifier, batch, max_tokens=12)
+    assert [ids for ids, _, _ in results] == greedy_reference(world.checkpoint, batch, 12)
