@@ -60,13 +60,18 @@ def _idle(world) -> None:
     """No request or KV slot left on either service (what every scenario must end with)."""
     v, d = world.verifier, world.drafter
 
-    def empty() -> bool:
+    def state() -> dict:
         info = v.info()
-        used = v.metrics.registry.get_sample_value("specwire_kv_slots", {"state": "used"})
-        return (info.num_running, info.num_waiting, used, info.free_slots) == (0, 0, 0, info.max_slots) \
-            and d.metrics.num_requests._value.get() == 0 and d.num_requests() == 0
+        return {"running": info.num_running, "waiting": info.num_waiting, "free": info.free_slots,
+                "kv_used": v.metrics.registry.get_sample_value("specwire_kv_slots", {"state": "used"}),
+                "drafter_gauge": d.metrics.num_requests._value.get(), "drafter_known": d.num_requests()}
 
-    poll(empty, timeout=30, what="both services idle with every slot free")
+    idle = {"running": 0, "waiting": 0, "free": v.info().max_slots, "kv_used": 0, "drafter_gauge": 0,
+            "drafter_known": 0}
+    deadline = time.time() + 30
+    while (now := state()) != idle:
+        assert time.time() < deadline, f"not idle after 30 s: {now}"
+        time.sleep(0.05)
 
 
 def test_256_concurrent_streams_finish_with_no_error(world):
