@@ -5,7 +5,7 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 
-.PHONY: install install-test demo test proto
+.PHONY: install install-test demo test proto system-tools
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -29,3 +29,14 @@ test: install-test
 
 proto:
 	proto/generate.sh
+
+# Debian packages the tests drive (CI runs this as root on a fresh machine; .ci/run calls it): promtool and a
+# real Prometheus server (tests/test_prometheus_rules.py), Node.js and npm (tests/test_node_client.py).
+# kubectl and the schema validators come from PyPI with the test extras.
+system-tools:
+	@if command -v promtool >/dev/null && command -v prometheus >/dev/null && command -v npm >/dev/null; then \
+	  echo "system tools present"; \
+	else \
+	  apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
+	    prometheus nodejs npm; \
+	fi

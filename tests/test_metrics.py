@@ -1,6 +1,8 @@
 """specwire.metrics scraped over real HTTP and parsed with Prometheus' own parser."""
 
+import re
 import urllib.request
+from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -81,3 +83,59 @@ def test_registries_are_per_instance():
         assert not any(name.startswith("specwire_spec_decode") for name, _ in m)
     finally:
         drafter_a.close()
+
+
+# ---------------------------------------------------------------- hygiene: one documented table, no _created
+
+OPERATIONS = Path(__file__).resolve().parents[1] / "docs" / "OPERATIONS.md"
+# The labels a metric may carry: each takes a handful of fixed values (positions up to k), never an id.
+# "result" is for the speculation cache's hit / miss / late lookups.
+BOUNDED_LABELS = {"mode", "direction", "reason", "finish_reason", "position", "code", "state", "result"}
+
+
+def _documented() -> dict[str, tuple[str, set[str], str]]:
+    """The metrics table of docs/OPERATIONS.md: name -> (type, label names, service)."""
+    section = OPERATIONS.read_text().split("## Metrics", 1)[1].split("\n## ", 1)[0]
+    rows = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 5 and cells[0].startswith("`specwire_"):
+            labels = set(re.findall(r"`(\w+)`:", cells[2]))
+            rows[cells[0].strip("`")] = (cells[1], labels, cells[3])
+    return rows
+
+
+def _exported() -> dict[str, tuple[str, set[str], str]]:
+    """What the two registries hold, named as the table names them."""
+    found: dict[str, tuple[str, set[str], set[str]]] = {}
+    for service, metrics in (("verifier", VerifierMetrics()), ("drafter", DrafterMetrics())):
+        for collector in metrics.registry._collector_to_names:
+            family = collector.describe()[0]
+            name = family.name + ("_total" if family.type == "counter" else "")
+            labels = set(collector._labelnames)
+            kind, _, services = found.setdefault(name, (family.type, labels, set()))
+            services.add(service)
+    return {name: (kind, labels, "both" if len(services) == 2 else services.pop())
+            for name, (kind, labels, services) in found.items()}
+
+
+def test_every_metric_is_documented_in_one_table():
+    documented, exported = _documented(), _exported()
+    assert sorted(documented) == sorted(exported), "docs/OPERATIONS.md's table differs from specwire.metrics"
+    for name, (kind, labels, service) in exported.items():
+        assert documented[name] == (kind, labels, service), name
+    assert list(documented) == sorted(documented), "keep the table sorted by metric name"
+
+
+def test_labels_are_low_cardinality():
+    for name, (_kind, labels, _service) in _exported().items():
+        assert labels <= BOUNDED_LABELS, f"{name} has an unbounded label: {labels - BOUNDED_LABELS}"
+
+
+def test_no_created_series(verifier):
+    metrics, port = verifier
+    metrics.observe_verification([4], [2])
+    metrics.time_to_first_token.observe(0.03)
+    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    assert "specwire_spec_decode_num_drafts_total 1.0" in body
+    assert "_created" not in body

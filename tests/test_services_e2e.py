@@ -138,15 +138,16 @@ def colocated(checkpoint, tokenizer, metrics: VerifierMetrics) -> LocalDrafterLi
 class Verifier:
     def __init__(self, loop: Loop, checkpoint, tokenizer, drafter_port: int | str | None, max_slots: int = 16,
                  cache_branches: int = BRANCHES, step_timeout: float = 5.0, device: str = "cpu",
-                 table_wait: float | None = 5.0):
+                 table_wait: float | None = 5.0, max_waiting: int = 64):
         self.loop, self.metrics = loop, VerifierMetrics()
         self.engine = TargetEngine(checkpoint=checkpoint, device=device, dtype=torch.float32,
                                    max_slots=max_slots, max_context=MAX_CONTEXT)
         settings = VerifierSettings(
             drafter=f"127.0.0.1:{drafter_port}" if isinstance(drafter_port, int) else None,
             step_timeout=step_timeout,
-            scheduler=SchedulerConfig(num_speculative_tokens=K, max_waiting=64, default_max_tokens=16,
-                                      cache_branches=cache_branches, table_wait=table_wait),
+            scheduler=SchedulerConfig(num_speculative_tokens=K, max_waiting=max_waiting,
+                                      default_max_tokens=16, cache_branches=cache_branches,
+                                      table_wait=table_wait),
             model_name="tiny",
         )
         link = colocated(checkpoint, tokenizer, self.metrics) if drafter_port == "colocated" else None

@@ -31,8 +31,8 @@ _FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH, "ab
 
 
 class GenerationService(generation_pb2_grpc.GenerationServicer):
-    def __init__(self, model_name: str):
-        self.model_name = model_name
+    def __init__(self, model_name: str, metrics: VerifierMetrics):
+        self.model_name, self.metrics = model_name, metrics
         self.scheduler: Scheduler | None = None  # set once the model is loaded; until then UNAVAILABLE
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
@@ -43,6 +43,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             prompt, params = self.parse(request)
             r = self.scheduler.submit(prompt, params, request_id)
         except RequestError as e:
+            self.metrics.rejected[pb.ErrorCode.Name(e.code).removeprefix("ERROR_CODE_").lower()].inc()
             yield pb.GenerateResponse(request_id=request_id, error=pb.Error(code=e.code, message=str(e)))
             return
         done = False
@@ -99,8 +100,11 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         elif prompt_kind == "text" and request.text:
             text = request.text
             if request.chat:
-                text = s.tokenizer.apply_chat_template([{"role": "user", "content": text}])
+                text = _render_chat(s.tokenizer, [{"role": "user", "content": text}])
             prompt = s.tokenizer.encode(text, add_special_tokens=not request.chat)  # a template holds them
+        elif prompt_kind == "messages":  # `chat` is implied; the rendered template holds the special tokens
+            messages = [{"role": m.role, "content": m.content} for m in request.messages.messages]
+            prompt = s.tokenizer.encode(_render_chat(s.tokenizer, messages), add_special_tokens=False)
         else:
             prompt = []
         sp = request.sampling
@@ -126,6 +130,26 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         return pb.Complete(finish_reason=_FINISH[r.finish_reason], usage=usage, matched_stop=r.matched_stop)
 
 
+CHAT_ROLES = ("system", "user", "assistant")
+
+
+def _render_chat(tokenizer: Tokenizer, messages: list[dict[str, str]]) -> str:
+    """The conversation through the model's chat template; RequestError(INVALID_ARGUMENT) if it cannot be."""
+    invalid = pb.ERROR_CODE_INVALID_ARGUMENT
+    if not messages:
+        raise RequestError(invalid, "messages is empty: send at least one user message")
+    for i, m in enumerate(messages):
+        if m["role"] not in CHAT_ROLES:
+            roles = ", ".join(CHAT_ROLES)
+            raise RequestError(invalid, f"messages[{i}].role is {m['role']!r}, not one of {roles}")
+    if not any(m["role"] == "user" for m in messages):
+        raise RequestError(invalid, "messages has no user message")
+    try:
+        return tokenizer.apply_chat_template(messages)
+    except ValueError as e:  # no template, or the template itself refused the conversation
+        raise RequestError(invalid, str(e)) from None
+
+
 @dataclass
 class VerifierSettings:
     """What `specwire verifier` runs, beyond the gRPC server options."""
@@ -144,7 +168,7 @@ class VerifierServer:
                  metrics: VerifierMetrics | None = None):
         self.settings, self.metrics = settings, metrics or VerifierMetrics()
         self.grpc = grpc_common.GrpcServer(options)
-        self.service = GenerationService(settings.model_name)
+        self.service = GenerationService(settings.model_name, self.metrics)
         add = generation_pb2_grpc.add_GenerationServicer_to_server
         self.grpc.add_service(grpc_common.GENERATION_SERVICE, add, self.service, require_token=True)
         self.scheduler: Scheduler | None = None
@@ -164,6 +188,11 @@ class VerifierServer:
         if link is None and s.drafter:
             link = DrafterLink(s.drafter, self.metrics, s.drafter_channel, step_timeout=s.step_timeout)
         self.scheduler = Scheduler(engine, tokenizer, self.metrics, s.scheduler, link)
+        m = self.metrics
+        m.max_requests_waiting.set(s.scheduler.max_waiting)
+        m.kv_slots.labels(state="total").set(engine.max_slots)
+        # Read at scrape time, so the gauge is never stale (the soak checks it returns to 0).
+        m.kv_slots.labels(state="used").set_function(lambda: engine.max_slots - engine.num_free_slots)
         self.scheduler.start()
         self.service.scheduler = self.scheduler
 

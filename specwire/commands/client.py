@@ -20,8 +20,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     env = grpc_common.env_default
     parser.add_argument("--server", default=env("SPECWIRE_SERVER", "127.0.0.1:50051"),
                         help="verifier HOST:PORT (env SPECWIRE_SERVER)")
-    parser.add_argument("--prompt", required=True, help="prompt text")
+    parser.add_argument("--prompt", default=None, help="prompt text (required unless --messages is given)")
     parser.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    parser.add_argument("--system", default=None,
+                        help="a system message before the prompt (implies --chat; default: none)")
+    parser.add_argument("--messages", default=None, metavar="FILE",
+                        help='a conversation as a JSON list of {"role": "system|user|assistant", "content": '
+                             "TEXT} objects, rendered with the model's chat template; '-' reads stdin")
     parser.add_argument("--max-tokens", type=int, default=None, help="most tokens to generate")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     parser.add_argument("--top-p", type=float, default=None, help="nucleus sampling threshold (off)")
@@ -42,8 +47,44 @@ def build_request(args: argparse.Namespace) -> pb.GenerateRequest:
     for field in ("top_p", "seed", "max_tokens"):
         if getattr(args, field) is not None:
             setattr(sampling, field, getattr(args, field))
-    request_id = uuid.uuid4().hex
-    return pb.GenerateRequest(request_id=request_id, text=args.prompt, chat=args.chat, sampling=sampling)
+    request = pb.GenerateRequest(request_id=uuid.uuid4().hex, sampling=sampling)
+    messages = chat_messages(args)
+    if messages is None:
+        request.text, request.chat = args.prompt, args.chat
+    else:
+        turns = (pb.ChatMessage(role=m["role"], content=m["content"]) for m in messages)
+        request.messages.messages.extend(turns)
+    return request
+
+
+def chat_messages(args: argparse.Namespace) -> list[dict] | None:
+    """The conversation to send as `messages`, or None for a plain `text` prompt; ValueError if malformed."""
+    if args.messages is not None:
+        if args.prompt is not None or args.system is not None:
+            raise ValueError("--messages holds the whole conversation: drop --prompt and --system")
+        raw = sys.stdin.read() if args.messages == "-" else _read_text(args.messages)
+        try:
+            messages = json.loads(raw)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--messages is not JSON: {e}") from None
+        if not isinstance(messages, list) or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in messages):
+            raise ValueError('--messages must be a JSON list of {"role": str, "content": str} objects')
+        return messages
+    if args.prompt is None:
+        raise ValueError("give --prompt TEXT or --messages FILE")
+    if args.system is not None:
+        return [{"role": "system", "content": args.system}, {"role": "user", "content": args.prompt}]
+    return None
+
+
+def _read_text(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError as e:
+        raise ValueError(f"cannot read --messages {path}: {e.strerror}") from None
 
 
 def summary(text: str, token_ids: list[int], complete: pb.Complete, seconds: float) -> dict:
@@ -61,8 +102,7 @@ def summary(text: str, token_ids: list[int], complete: pb.Complete, seconds: flo
     return {"text": text, "token_ids": token_ids, "finish_reason": finish, "stats": stats}
 
 
-async def _generate(args: argparse.Namespace) -> int:
-    request = build_request(args)
+async def _generate(args: argparse.Namespace, request: pb.GenerateRequest) -> int:
     text, token_ids = [], []
     start = time.perf_counter()
     async with grpc_common.create_channel(args.server, grpc_common.ChannelOptions.from_args(args)) as channel:
@@ -99,7 +139,12 @@ def _stats_line(result: dict) -> str:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        return grpc_common.run(_generate(args))
+        request = build_request(args)  # bad flags fail here, before any connection
+    except ValueError as e:
+        print(f"specwire client: error: {e}", file=sys.stderr)
+        return 2
+    try:
+        return grpc_common.run(_generate(args, request))
     except grpc.aio.AioRpcError as e:
         print(f"specwire client: {e.code().name}: {e.details()}", file=sys.stderr)
         return 1

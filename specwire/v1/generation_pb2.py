@@ -24,43 +24,47 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cspecwire/v1/generation.proto\x12\x0bspecwire.v1\"\xb8\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x00\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x03H\x01\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x05 \x01(\rH\x02\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x42\x08\n\x06_top_pB\x07\n\x05_seedB\r\n\x0b_max_tokens\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xa8\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x15.specwire.v1.TokenIdsH\x00\x12\x0c\n\x04\x63hat\x18\x04 \x01(\x08\x12-\n\x08sampling\x18\x05 \x01(\x0b\x32\x1b.specwire.v1.SamplingParamsB\x08\n\x06prompt\"\xa4\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12#\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x12.specwire.v1.ChunkH\x00\x12)\n\x08\x63omplete\x18\x03 \x01(\x0b\x32\x15.specwire.v1.CompleteH\x00\x12#\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x12.specwire.v1.ErrorH\x00\x42\x07\n\x05\x65vent\"(\n\x05\x43hunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\"u\n\x08\x43omplete\x12\x30\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x19.specwire.v1.FinishReason\x12!\n\x05usage\x18\x02 \x01(\x0b\x32\x12.specwire.v1.Usage\x12\x14\n\x0cmatched_stop\x18\x03 \x01(\t\"\xe3\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x0e\n\x06\x64rafts\x18\x03 \x01(\r\x12\x14\n\x0c\x64raft_tokens\x18\x04 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x05 \x01(\r\x12\x1e\n\x16mean_acceptance_length\x18\x06 \x01(\x01\x12\x0f\n\x07seconds\x18\x07 \x01(\x01\x12#\n\x1btime_to_first_token_seconds\x18\x08 \x01(\x01\x12\x13\n\x0bspeculative\x18\t \x01(\x08\">\n\x05\x45rror\x12$\n\x04\x63ode\x18\x01 \x01(\x0e\x32\x16.specwire.v1.ErrorCode\x12\x0f\n\x07message\x18\x02 \x01(\t\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x15\n\x13GetModelInfoRequest\"s\n\x0fSpeculationInfo\x12\x0f\n\x07\x65nabled\x18\x01 \x01(\x08\x12\x19\n\x11\x64rafter_connected\x18\x02 \x01(\x08\x12\x1e\n\x16num_speculative_tokens\x18\x03 \x01(\r\x12\x14\n\x0c\x64rafter_head\x18\x04 \x01(\t\"\xb1\x02\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x13\n\x0bhidden_size\x18\x03 \x01(\r\x12\x13\n\x0bmax_context\x18\x04 \x01(\r\x12\x1d\n\x15tokenizer_fingerprint\x18\x05 \x01(\t\x12\x15\n\reos_token_ids\x18\x06 \x03(\r\x12\x31\n\x0bspeculation\x18\x07 \x01(\x0b\x32\x1c.specwire.v1.SpeculationInfo\x12\x13\n\x0bnum_running\x18\x08 \x01(\r\x12\x13\n\x0bnum_waiting\x18\t \x01(\r\x12\x12\n\nfree_slots\x18\n \x01(\r\x12\x11\n\tmax_slots\x18\x0b \x01(\r\x12\x18\n\x10protocol_version\x18\x0c \x01(\r*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03*\xbf\x01\n\tErrorCode\x12\x1a\n\x16\x45RROR_CODE_UNSPECIFIED\x10\x00\x12\x1f\n\x1b\x45RROR_CODE_INVALID_ARGUMENT\x10\x03\x12\x1d\n\x19\x45RROR_CODE_ALREADY_EXISTS\x10\x06\x12!\n\x1d\x45RROR_CODE_RESOURCE_EXHAUSTED\x10\x08\x12\x17\n\x13\x45RROR_CODE_INTERNAL\x10\r\x12\x1a\n\x16\x45RROR_CODE_UNAVAILABLE\x10\x0e\x32\xe1\x01\n\nGeneration\x12I\n\x08Generate\x12\x1c.specwire.v1.GenerateRequest\x1a\x1d.specwire.v1.GenerateResponse0\x01\x12>\n\x05\x41\x62ort\x12\x19.specwire.v1.AbortRequest\x1a\x1a.specwire.v1.AbortResponse\x12H\n\x0cGetModelInfo\x12 .specwire.v1.GetModelInfoRequest\x1a\x16.specwire.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cspecwire/v1/generation.proto\x12\x0bspecwire.v1\"\xb8\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x00\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x03H\x01\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x05 \x01(\rH\x02\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x42\x08\n\x06_top_pB\x07\n\x05_seedB\r\n\x0b_max_tokens\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\":\n\x0c\x43hatMessages\x12*\n\x08messages\x18\x01 \x03(\x0b\x32\x18.specwire.v1.ChatMessage\"\xd7\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x15.specwire.v1.TokenIdsH\x00\x12-\n\x08messages\x18\x06 \x01(\x0b\x32\x19.specwire.v1.ChatMessagesH\x00\x12\x0c\n\x04\x63hat\x18\x04 \x01(\x08\x12-\n\x08sampling\x18\x05 \x01(\x0b\x32\x1b.specwire.v1.SamplingParamsB\x08\n\x06prompt\"\xa4\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12#\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x12.specwire.v1.ChunkH\x00\x12)\n\x08\x63omplete\x18\x03 \x01(\x0b\x32\x15.specwire.v1.CompleteH\x00\x12#\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x12.specwire.v1.ErrorH\x00\x42\x07\n\x05\x65vent\"(\n\x05\x43hunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\"u\n\x08\x43omplete\x12\x30\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x19.specwire.v1.FinishReason\x12!\n\x05usage\x18\x02 \x01(\x0b\x32\x12.specwire.v1.Usage\x12\x14\n\x0cmatched_stop\x18\x03 \x01(\t\"\xe3\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x0e\n\x06\x64rafts\x18\x03 \x01(\r\x12\x14\n\x0c\x64raft_tokens\x18\x04 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x05 \x01(\r\x12\x1e\n\x16mean_acceptance_length\x18\x06 \x01(\x01\x12\x0f\n\x07seconds\x18\x07 \x01(\x01\x12#\n\x1btime_to_first_token_seconds\x18\x08 \x01(\x01\x12\x13\n\x0bspeculative\x18\t \x01(\x08\">\n\x05\x45rror\x12$\n\x04\x63ode\x18\x01 \x01(\x0e\x32\x16.specwire.v1.ErrorCode\x12\x0f\n\x07message\x18\x02 \x01(\t\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x15\n\x13GetModelInfoRequest\"s\n\x0fSpeculationInfo\x12\x0f\n\x07\x65nabled\x18\x01 \x01(\x08\x12\x19\n\x11\x64rafter_connected\x18\x02 \x01(\x08\x12\x1e\n\x16num_speculative_tokens\x18\x03 \x01(\r\x12\x14\n\x0c\x64rafter_head\x18\x04 \x01(\t\"\xb1\x02\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x13\n\x0bhidden_size\x18\x03 \x01(\r\x12\x13\n\x0bmax_context\x18\x04 \x01(\r\x12\x1d\n\x15tokenizer_fingerprint\x18\x05 \x01(\t\x12\x15\n\reos_token_ids\x18\x06 \x03(\r\x12\x31\n\x0bspeculation\x18\x07 \x01(\x0b\x32\x1c.specwire.v1.SpeculationInfo\x12\x13\n\x0bnum_running\x18\x08 \x01(\r\x12\x13\n\x0bnum_waiting\x18\t \x01(\r\x12\x12\n\nfree_slots\x18\n \x01(\r\x12\x11\n\tmax_slots\x18\x0b \x01(\r\x12\x18\n\x10protocol_version\x18\x0c \x01(\r*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03*\xbf\x01\n\tErrorCode\x12\x1a\n\x16\x45RROR_CODE_UNSPECIFIED\x10\x00\x12\x1f\n\x1b\x45RROR_CODE_INVALID_ARGUMENT\x10\x03\x12\x1d\n\x19\x45RROR_CODE_ALREADY_EXISTS\x10\x06\x12!\n\x1d\x45RROR_CODE_RESOURCE_EXHAUSTED\x10\x08\x12\x17\n\x13\x45RROR_CODE_INTERNAL\x10\r\x12\x1a\n\x16\x45RROR_CODE_UNAVAILABLE\x10\x0e\x32\xe1\x01\n\nGeneration\x12I\n\x08Generate\x12\x1c.specwire.v1.GenerateRequest\x1a\x1d.specwire.v1.GenerateResponse0\x01\x12>\n\x05\x41\x62ort\x12\x19.specwire.v1.AbortRequest\x1a\x1a.specwire.v1.AbortResponse\x12H\n\x0cGetModelInfo\x12 .specwire.v1.GetModelInfoRequest\x1a\x16.specwire.v1.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specwire.v1.generation_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1566
-  _globals['_FINISHREASON']._serialized_end=1686
-  _globals['_ERRORCODE']._serialized_start=1689
-  _globals['_ERRORCODE']._serialized_end=1880
+  _globals['_FINISHREASON']._serialized_start=1719
+  _globals['_FINISHREASON']._serialized_end=1839
+  _globals['_ERRORCODE']._serialized_start=1842
+  _globals['_ERRORCODE']._serialized_end=2033
   _globals['_SAMPLINGPARAMS']._serialized_start=46
   _globals['_SAMPLINGPARAMS']._serialized_end=230
   _globals['_TOKENIDS']._serialized_start=232
   _globals['_TOKENIDS']._serialized_end=255
-  _globals['_GENERATEREQUEST']._serialized_start=258
-  _globals['_GENERATEREQUEST']._serialized_end=426
-  _globals['_GENERATERESPONSE']._serialized_start=429
-  _globals['_GENERATERESPONSE']._serialized_end=593
-  _globals['_CHUNK']._serialized_start=595
-  _globals['_CHUNK']._serialized_end=635
-  _globals['_COMPLETE']._serialized_start=637
-  _globals['_COMPLETE']._serialized_end=754
-  _globals['_USAGE']._serialized_start=757
-  _globals['_USAGE']._serialized_end=984
-  _globals['_ERROR']._serialized_start=986
-  _globals['_ERROR']._serialized_end=1048
-  _globals['_ABORTREQUEST']._serialized_start=1050
-  _globals['_ABORTREQUEST']._serialized_end=1084
-  _globals['_ABORTRESPONSE']._serialized_start=1086
-  _globals['_ABORTRESPONSE']._serialized_end=1116
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1118
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1139
-  _globals['_SPECULATIONINFO']._serialized_start=1141
-  _globals['_SPECULATIONINFO']._serialized_end=1256
-  _globals['_MODELINFO']._serialized_start=1259
-  _globals['_MODELINFO']._serialized_end=1564
-  _globals['_GENERATION']._serialized_start=1883
-  _globals['_GENERATION']._serialized_end=2108
+  _globals['_CHATMESSAGE']._serialized_start=257
+  _globals['_CHATMESSAGE']._serialized_end=301
+  _globals['_CHATMESSAGES']._serialized_start=303
+  _globals['_CHATMESSAGES']._serialized_end=361
+  _globals['_GENERATEREQUEST']._serialized_start=364
+  _globals['_GENERATEREQUEST']._serialized_end=579
+  _globals['_GENERATERESPONSE']._serialized_start=582
+  _globals['_GENERATERESPONSE']._serialized_end=746
+  _globals['_CHUNK']._serialized_start=748
+  _globals['_CHUNK']._serialized_end=788
+  _globals['_COMPLETE']._serialized_start=790
+  _globals['_COMPLETE']._serialized_end=907
+  _globals['_USAGE']._serialized_start=910
+  _globals['_USAGE']._serialized_end=1137
+  _globals['_ERROR']._serialized_start=1139
+  _globals['_ERROR']._serialized_end=1201
+  _globals['_ABORTREQUEST']._serialized_start=1203
+  _globals['_ABORTREQUEST']._serialized_end=1237
+  _globals['_ABORTRESPONSE']._serialized_start=1239
+  _globals['_ABORTRESPONSE']._serialized_end=1269
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1271
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1292
+  _globals['_SPECULATIONINFO']._serialized_start=1294
+  _globals['_SPECULATIONINFO']._serialized_end=1409
+  _globals['_MODELINFO']._serialized_start=1412
+  _globals['_MODELINFO']._serialized_end=1717
+  _globals['_GENERATION']._serialized_start=2036
+  _globals['_GENERATION']._serialized_end=2261
 # @@protoc_insertion_point(module_scope)

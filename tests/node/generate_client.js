@@ -1,8 +1,9 @@
 // A specwire client built from proto/specwire/v1/generation.proto alone (no generated code, another gRPC
 // stack): proof that any language can call Generate. Prints one JSON object:
 //   {"text", "token_ids", "finish_reason", "usage", "request_id", "model_info"}
-// Usage: node generate_client.js --server HOST:PORT --prompt TEXT [--max-tokens N] [--top-p P] [--chat]
-//        [--token T]
+// Usage: node generate_client.js --server HOST:PORT (--prompt TEXT [--chat] | --messages JSON) [--max-tokens N]
+//        [--top-p P] [--token T]
+// --messages is a conversation, a JSON list of {role, content}: sent as the `messages` prompt.
 "use strict";
 const path = require("path");
 const { parseArgs } = require("util");
@@ -16,12 +17,13 @@ const { values: args } = parseArgs({
     "max-tokens": { type: "string" },
     "top-p": { type: "string" },
     chat: { type: "boolean", default: false },
+    messages: { type: "string" },
     token: { type: "string" },
   },
 });
-if (!args.server || args.prompt === undefined) {
-  console.error("usage: node generate_client.js --server HOST:PORT --prompt TEXT [--max-tokens N] [--top-p P] "
-    + "[--chat] [--token T]");
+if (!args.server || (args.prompt === undefined) === (args.messages === undefined)) {
+  console.error("usage: node generate_client.js --server HOST:PORT (--prompt TEXT [--chat] | --messages JSON) "
+    + "[--max-tokens N] [--top-p P] [--token T]");
   process.exit(2);
 }
 
@@ -37,7 +39,12 @@ if (args.token) metadata.set("authorization", `Bearer ${args.token}`);
 const sampling = { temperature: 0 };
 if (args["max-tokens"] !== undefined) sampling.max_tokens = Number(args["max-tokens"]);
 if (args["top-p"] !== undefined) sampling.top_p = Number(args["top-p"]);
-const request = { request_id: `node-${process.pid}`, text: args.prompt, chat: args.chat, sampling };
+const request = { request_id: `node-${process.pid}`, sampling };
+if (args.messages !== undefined) {
+  request.messages = { messages: JSON.parse(args.messages) };
+} else {
+  Object.assign(request, { text: args.prompt, chat: args.chat });
+}
 
 const result = { text: "", token_ids: [], finish_reason: null, usage: null, request_id: null };
 const fail = (message) => { console.error(`node client: ${message}`); process.exit(1); };
