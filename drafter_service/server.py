@@ -132,14 +132,15 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
         owned: set[str] = set()
         loop = asyncio.get_running_loop()
         log.info("draft stream opened", extra={"stream": stream, "peer": context.peer()})
-        steps = _StepReader(context, self.draining)
         # Steps are read while the worker drafts. When several wait, the older ones only apply their updates
         # and answer without drafts: their tables would come after the verifications they were for had
         # ended, and drafting them would make every later table late too.
         inbox: asyncio.Queue = asyncio.Queue(maxsize=64)
-        reader = loop.create_task(self._read_steps(steps, inbox))
+        reader = loop.create_task(self._read_steps(context, inbox))
         try:
             while (step := await inbox.get()) is not None:
+                if isinstance(step, BaseException):
+                    raise step  # the read failed (an undecodable message, the client gone): as if read here
                 fresh = inbox.empty()  # else a newer step (or the stream's end) is waiting
                 self.metrics.rpc_bytes["received"].inc(step.ByteSize())
                 result = await loop.run_in_executor(self._worker, self.run_step, stream, owned, step, fresh)
@@ -148,15 +149,21 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
         finally:
             reader.cancel()
             await asyncio.gather(reader, return_exceptions=True)
-            steps.close()
             await loop.run_in_executor(self._worker, self._free_all, owned)
             log.info("draft stream closed", extra={"stream": stream})
 
-    @staticmethod
-    async def _read_steps(steps: _StepReader, inbox: asyncio.Queue) -> None:
-        """Moves the stream's steps into `inbox`, then None at its end (a full inbox holds the reads back)."""
-        while (step := await steps.next()) is not None:
-            await inbox.put(step)
+    async def _read_steps(self, context: grpc.aio.ServicerContext, inbox: asyncio.Queue) -> None:
+        """Moves the stream's steps into `inbox`, then None at its end or the error that ended the reads
+        (a full inbox holds the reads back). The reader lives in this task, so a drain ends its read here."""
+        steps = _StepReader(context, self.draining)
+        try:
+            while (step := await steps.next()) is not None:
+                await inbox.put(step)
+        except Exception as e:
+            await inbox.put(e)
+            return
+        finally:
+            steps.close()
         await inbox.put(None)
 
     # ------------------------------------------------------------------------------------------ worker

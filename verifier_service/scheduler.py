@@ -136,7 +136,8 @@ class SchedulerConfig:
     draft_top_k: int = 16  # sampled drafts are drawn from the top-K of the head's q (and shipped sparse)
     cache_branches: int = 8  # speculation-cache table entries per request; 0 = serial drafting
     # How long a finished verification waits for a table still on its way; None = half the last
-    # verification's time (a hit saves a round of drafting, a long wait loses what it saves).
+    # verification's time (a hit saves a round of drafting, a long wait loses what it saves). Never longer
+    # than the link's step timeout.
     table_wait: float | None = None
     forced_acceptance: tuple[float, ...] | None = None  # benchmarks only: acceptance rate per draft position
     # Benchmarks of synthetic targets only: this share of lookups is made to hit by replacing the settled
@@ -419,7 +420,7 @@ class Scheduler:
             return None
         future, wants = sent
         wait = self.config.table_wait if self.config.table_wait is not None else 0.5 * self._verify_seconds
-        result = await self.link.result(future, timeout=wait)
+        result = await self.link.result(future, timeout=min(wait, self.link.step_timeout))
         if result is None:
             return None
         if result.error:
