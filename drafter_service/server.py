@@ -140,7 +140,9 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
                 await context.write(result)
         finally:
             steps.close()
-            await loop.run_in_executor(self._worker, self._free_all, owned)
+            # Shielded: a stream cancelled while the worker is busy (the verifier's connection reset) would
+            # otherwise cancel this queued job too, and the stream's requests would stay held forever.
+            await asyncio.shield(loop.run_in_executor(self._worker, self._free_all, owned))
             log.info("draft stream closed", extra={"stream": stream})
 
     # ------------------------------------------------------------------------------------------ worker
