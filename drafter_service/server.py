@@ -149,7 +149,9 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
         finally:
             reader.cancel()
             await asyncio.gather(reader, return_exceptions=True)
-            await loop.run_in_executor(self._worker, self._free_all, owned)
+            # Shielded: a stream cancelled while the worker is busy (the verifier's connection reset) would
+            # otherwise cancel this queued job too, and the stream's requests would stay held forever.
+            await asyncio.shield(loop.run_in_executor(self._worker, self._free_all, owned))
             log.info("draft stream closed", extra={"stream": stream})
 
     async def _read_steps(self, context: grpc.aio.ServicerContext, inbox: asyncio.Queue) -> None:

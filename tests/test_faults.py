@@ -66,11 +66,16 @@ def _idle(world) -> None:
                 "kv_used": v.metrics.registry.get_sample_value("specwire_kv_slots", {"state": "used"}),
                 "drafter_gauge": d.metrics.num_requests._value.get(), "drafter_known": d.num_requests()}
 
+    def diagnosis() -> dict:  # the verifier's side of the drafter link, to explain state left on the drafter
+        s = v.server.scheduler
+        return {"frees_unsent": len(s._frees), "steps_unanswered": len(s.link._pending),
+                "connected": s.link.connected}
+
     idle = {"running": 0, "waiting": 0, "free": v.info().max_slots, "kv_used": 0, "drafter_gauge": 0,
             "drafter_known": 0}
     deadline = time.time() + 30
     while (now := state()) != idle:
-        assert time.time() < deadline, f"not idle after 30 s: {now}"
+        assert time.time() < deadline, f"not idle after 30 s: {now}, {diagnosis()}"
         time.sleep(0.05)
 
 
