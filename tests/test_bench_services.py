@@ -44,9 +44,11 @@ def test_round_split_cache_and_bytes_from_two_scrapes():
 
 def test_the_harness_runs_the_setups_side_by_side_on_the_cpu(tmp_path):
     """Target-only, two processes and the co-located setup (measured, or skipped with the reason when the
-    verifier does not know --colocated) on synthetic:tiny; one JSON with the schema the README reads."""
+    verifier does not know --colocated) on synthetic:tiny; one JSON with the schema the README reads. The
+    verifiers wait for every table (a busy CI machine would otherwise see them all late, and no drafts)."""
     argv = [sys.executable, str(BENCH / "bench_services.py"), "--workloads", "synthetic", "--synthetic-shape",
             "tiny", "--lengths", "2", "--hit-rates", "1.0", "--setups", "target_only,two_gpus,colocated",
+            "--synthetic-verifier-args", "--aux-layers none --draft-timeout 30 --table-wait-ms 30000",
             "--batch-sizes", "2",
             "--temperatures", "0", "--sweep-ks", "", "--max-tokens", "12", "--repeats", "1",
             "--drafter-device", "cpu", "--verifier-device", "cpu", "--out-dir", str(tmp_path), "--tag", "t"]
