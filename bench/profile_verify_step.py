@@ -26,9 +26,9 @@ import threading
 import time
 
 import torch
+from specwire.kernels.rejection_sampler import rejection_sample
 
 from specwire.engine import TargetEngine
-from specwire.kernels.rejection_sampler import rejection_sample
 
 
 def parse_args() -> argparse.Namespace:
@@ -72,8 +72,9 @@ def sample(logits: torch.Tensor, batch: int, k: int) -> list[list[int]]:
 
     out = rejection_sample(
         logits, column([7] * (batch * k), torch.int64), column([k] * batch, torch.int32), None,
-        column([0.0] * batch, torch.float32), column([0] * batch, torch.int32), column([1.0] * batch, torch.float32),
-        column([1] * batch, torch.int64), column([64] * batch, torch.int64), defer_check=True)
+        column([0.0] * batch, torch.float32), column([0] * batch, torch.int32),
+        column([1.0] * batch, torch.float32), column([1] * batch, torch.int64),
+        column([64] * batch, torch.int64), defer_check=True)
     return out.token_lists()
 
 
@@ -146,7 +147,8 @@ def main() -> int:
         print(json.dumps({key: v for key, v in row.items() if not key.endswith("kernels")}, indent=1))
         print(row["verify_kernels"])
     report = {
-        "command": " ".join(sys.argv), "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "command": " ".join(sys.argv),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name(), "torch": torch.__version__, "model": args.model,
         "switch_interval_default_s": default_si, "switch_interval_s": args.switch_interval,
         "commit": os.environ.get("SPECWIRE_COMMIT") or subprocess.run(
