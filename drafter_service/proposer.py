@@ -91,17 +91,24 @@ class EagleProposer:
         cuda_graphs: bool = True,
         max_branches: int = 0,
         uniform_outcomes: bool = False,
+        min_confidence: float = 0.0,
     ):
         """cuda_graphs=False forces eager execution on CUDA; CPU always runs eagerly. max_branches: entries
         per request of a speculation-cache table (draft_branches); each takes a KV slot of its own.
         uniform_outcomes: score every number of accepted drafts alike instead of by the head's q (for random
-        heads in synthetic benchmarks, whose q would put every branch at 0 accepted)."""
+        heads in synthetic benchmarks, whose q would put every branch at 0 accepted).
+        min_confidence: dynamic draft length (EAGLE-2's depth rule): a chain stops before the first draft
+        whose step has a top probability (softmax of the head's logits) below it, so k is a maximum; an
+        eager loop stops once every row has stopped. 0 keeps every chain at its k."""
         if max_drafts < 1:
             raise ProposerError(f"max_drafts must be >= 1, got {max_drafts}")
         if not 1 <= max_top_k <= head.vocab_size:
             raise ProposerError(f"max_top_k must be in [1, {head.vocab_size}], got {max_top_k}")
         if not 0 <= max_branches <= head.vocab_size:
             raise ProposerError(f"max_branches must be in [0, {head.vocab_size}], got {max_branches}")
+        if not 0.0 <= min_confidence < 1.0:
+            raise ProposerError(f"min_confidence must be in [0, 1), got {min_confidence}")
+        self.min_confidence = min_confidence
         self.head, self.device = head, head.device
         self.max_requests, self.max_context, self.max_drafts = max_requests, max_context, max_drafts
         self.max_top_k, self.max_branches, self.uniform_outcomes = max_top_k, max_branches, uniform_outcomes
@@ -121,6 +128,7 @@ class EagleProposer:
         self._top_idx = torch.zeros(n, K, max_top_k, dtype=torch.int64, device=dev)
         self._top_q = torch.zeros(n, K, max_top_k, dtype=torch.float32, device=dev)
         self._full_q = torch.zeros(n, K, head.vocab_size, dtype=torch.float32, device=dev)
+        self._confident = torch.zeros(n, dtype=torch.int64, device=dev)  # drafts before a step below it
         self._meta[self._SLOT] = self.cache.trash_slot
         if max_branches:
             self._init_branch_buffers()
@@ -230,6 +238,8 @@ class EagleProposer:
         for r in requests:
             r.num_cached += r.num_pending
             r.pending_tokens, r.pending_features = [], []
+        if self.min_confidence:
+            ks = [min(k, n) for k, n in zip(ks, self._confident[:B].tolist(), strict=True)]
         return self._proposal(ks, temperature, top_k)
 
     def _prefill_overflow(self, requests: list[_Request]) -> None:
@@ -302,9 +312,15 @@ class EagleProposer:
         last = torch.arange(size, device=self.device) * T + (pending.long() - 1).clamp_min(0)
         hidden = out.flatten(0, 1).index_select(0, last)  # pad rows gather index 0*T + 0
         position = start + pending
+        eager = steps is not None
         steps = self.max_drafts if steps is None else max(steps, 1)
+        confident = self._confident[:size]
+        confident.zero_()
         for j in range(steps):
-            sample = sample_drafts(head.logits(hidden), self._temperature[:size], top_k, self.max_top_k, mode)
+            logits = head.logits(hidden)
+            if self.min_confidence and not self._count_confident(logits, confident, j, eager):
+                break
+            sample = sample_drafts(logits, self._temperature[:size], top_k, self.max_top_k, mode)
             tokens = sample.tokens if head.draft_to_target is None else head.draft_to_target[sample.tokens]
             self._tokens[:size, j].copy_(tokens)
             if sample.top_q is not None:
@@ -319,6 +335,15 @@ class EagleProposer:
                 :, 0
             ]
             position = position + 1
+
+    def _count_confident(self, logits: torch.Tensor, confident: torch.Tensor, step: int, eager: bool) -> bool:
+        """Dynamic depth: confident[b] counts the drafts of row b before its first step whose top probability
+        is below min_confidence. Returns False when an eager loop can stop (no row is still confident; a
+        captured graph never asks, as that would wait for the device)."""
+        top = (logits.amax(-1) - logits.logsumexp(-1)).exp()
+        still = (confident == step) & (top >= self.min_confidence)
+        confident.add_(still.long())
+        return not eager or bool(still.any())
 
     @on_own_device
     def _capture(self) -> None:
@@ -361,6 +386,7 @@ class EagleProposer:
         self._br_tokens = torch.zeros(rows, K, dtype=torch.int64, device=dev)
         self._br_top_idx = torch.zeros(rows, K, self.max_top_k, dtype=torch.int64, device=dev)
         self._br_top_q = torch.zeros(rows, K, self.max_top_k, dtype=torch.float32, device=dev)
+        self._br_confident = torch.zeros(rows, dtype=torch.int64, device=dev)
 
     def _release_branches(self, request: _Request, keep: _Branch | None = None) -> None:
         self._free_slots += [b.slot for b in request.branches if b is not keep]
@@ -507,7 +533,10 @@ class EagleProposer:
         self._br_accepted[:rows].copy_(accepted)
         self._br_bonus[:rows].copy_(token)
         self._br_score[:rows].copy_(score.flatten())
+        eager = steps is not None
         steps = K if steps is None else steps  # eager runs stop at the longest chain asked for
+        confident = self._br_confident[:rows]
+        confident.zero_()
         for j in range(steps + 1):
             live = (k_row >= max(j, 1)).int()
             feature = head(token[:, None], feature[:, None], position + j, live, head_slots, kc, vc,
@@ -516,7 +545,10 @@ class EagleProposer:
                 self._slot_hidden[:, j - 1].index_copy_(0, branch_slots, feature)
             if j == steps:
                 break
-            sample = sample_drafts(head.logits(feature), row_temperature, row_top_k, self.max_top_k, mode)
+            logits = head.logits(feature)
+            if self.min_confidence and not self._count_confident(logits, confident, j, eager):
+                break
+            sample = sample_drafts(logits, row_temperature, row_top_k, self.max_top_k, mode)
             self._slot_draft_ids[:, j].index_copy_(0, branch_slots, sample.tokens)
             token = sample.tokens if to_target is None else to_target[sample.tokens]
             self._br_tokens[:rows, j].copy_(token)
@@ -532,6 +564,7 @@ class EagleProposer:
         bonus = self._br_bonus[:rows].tolist()
         score = self._br_score[:rows].tolist()
         tokens = self._br_tokens[:rows].tolist()
+        confident = self._br_confident[:rows].tolist() if self.min_confidence else [self.max_drafts] * rows
         sampled = any(t > 0 for t in temperature)
         if sampled:
             to_target = self.head.draft_to_target
@@ -546,13 +579,14 @@ class EagleProposer:
                 if score[row] <= 0:  # an outcome the check in flight cannot have: return its slot
                     self._free_slots.append(slots[b][i])
                     continue
-                ids = tokens[row][:k]
+                ids = tokens[row][:min(k, confident[row])]
                 r.branches.append(_Branch(slots[b][i], accepted[row], bonus[row], ids))
                 q_idx = q_val = None
-                if t > 0:
-                    width = max(1, int((top_q[row, :k] > 0).sum(1).max()))
-                    q_val = top_q[row, :k, :width]
-                    q_idx = torch.where(q_val > 0, top_idx[row, :k, :width], -1)
+                if t > 0 and ids:
+                    n = len(ids)
+                    width = max(1, int((top_q[row, :n] > 0).sum(1).max()))
+                    q_val = top_q[row, :n, :width]
+                    q_idx = torch.where(q_val > 0, top_idx[row, :n, :width], -1)
                 table.append(Branch(len(r.branches) - 1, accepted[row], bonus[row], ids, q_idx, q_val))
             tables.append(table)
         return tables
