@@ -42,6 +42,15 @@ def add_proposer_arguments(parser: argparse.ArgumentParser) -> None:
                         help="widest top-K of sampled drafts (default 64)")
     parser.add_argument("--max-context", type=int, default=env("SPECWIRE_MAX_CONTEXT", 2048),
                         help="head KV-cache positions per request (default 2048)")
+    add_min_confidence_argument(parser)
+
+
+def add_min_confidence_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--min-confidence", type=float,
+                        default=grpc_common.env_default("SPECWIRE_MIN_CONFIDENCE", 0.0),
+                        help="dynamic draft length (EAGLE-2's depth rule): stop a chain before the first "
+                             "draft whose step's top probability is below this; k is then a maximum "
+                             "(env SPECWIRE_MIN_CONFIDENCE; default 0 = off)")
 
 
 def load_proposer(args: argparse.Namespace):
@@ -60,7 +69,7 @@ def load_proposer(args: argparse.Namespace):
 
 def build_proposer(args: argparse.Namespace, config, target_weights: dict):
     """(EagleProposer, head name) on the target's shared tensors, sized by args.head, .device, .dtype,
-    .no_cuda_graphs and the --max-* flags of add_proposer_arguments."""
+    .no_cuda_graphs, .min_confidence and the --max-* flags of add_proposer_arguments."""
     from specwire.drafter.eagle_head import load_eagle_head, random_eagle_head
     from specwire.drafter.proposer import EagleProposer
 
@@ -83,7 +92,7 @@ def build_proposer(args: argparse.Namespace, config, target_weights: dict):
     proposer = EagleProposer(head, max_requests=args.max_requests, max_context=args.max_context,
                              max_drafts=args.max_drafts, max_top_k=min(args.max_top_k, head.vocab_size),
                              cuda_graphs=not args.no_cuda_graphs, max_branches=args.max_branches,
-                             uniform_outcomes=args.head == RANDOM_HEAD)
+                             uniform_outcomes=args.head == RANDOM_HEAD, min_confidence=args.min_confidence)
     return proposer, f"{head.config.arch}:{head_path.name}"
 
 

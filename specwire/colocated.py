@@ -23,14 +23,14 @@ from specwire.verifier.drafter_link import LocalDrafterLink
 
 def colocated_link(engine: TargetEngine, tokenizer: Tokenizer, metrics: VerifierMetrics, *, head: str | None,
                    device: str | None, k: int, max_branches: int, cuda_graphs: bool,
-                   step_timeout: float = 1.0) -> LocalDrafterLink:
+                   min_confidence: float = 0.0, step_timeout: float = 1.0) -> LocalDrafterLink:
     """A drafter for `engine`'s requests on `device` (default: the engine's), sharing its embedding and
     lm_head (copied when on another device)."""
     shared = shared_target_weights(engine.model)
     args = argparse.Namespace(
         head=head, device=device or str(engine.device), dtype=None, max_requests=engine.max_slots,
         max_context=engine.max_context, max_drafts=max(k, 1), max_top_k=64, max_branches=max_branches,
-        no_cuda_graphs=not cuda_graphs,
+        no_cuda_graphs=not cuda_graphs, min_confidence=min_confidence,
     )
     with torch.inference_mode():
         proposer, name = build_proposer(args, engine.config, shared)

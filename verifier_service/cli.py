@@ -24,6 +24,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --colocated: EAGLE head directory (default: the shipped head)")
     parser.add_argument("--drafter-device", default=None,
                         help="with --colocated: the drafter's device (default: the target's)")
+    parser.add_argument("--min-confidence", type=float, default=env("SPECWIRE_MIN_CONFIDENCE", 0.0),
+                        help="with --colocated: the drafter's dynamic draft length (see `specwire drafter "
+                             "--help`; default 0 = off)")
     grpc_common.add_channel_arguments(parser, prefix="drafter-")
     grpc_common.add_model_arguments(parser, dtype_of="weights and KV cache")
     parser.add_argument("--k", type=int, default=env("SPECWIRE_K", 4),
@@ -138,7 +141,7 @@ async def serve(args: argparse.Namespace) -> None:
                 colocated_link, engine, tokenizer, metrics, head=head_or_random(args.model, args.head),
                 device=args.drafter_device,
                 k=args.k, max_branches=args.cache_branches, cuda_graphs=not args.no_cuda_graphs,
-                step_timeout=args.draft_timeout)
+                min_confidence=args.min_confidence, step_timeout=args.draft_timeout)
         server.service.model_name = name
         await server.start(engine, tokenizer, link)
         extra = {"model": name, "device": str(engine.device), "drafter": settings.drafter, "k": args.k}

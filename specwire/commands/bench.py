@@ -53,6 +53,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="how long a verification waits for its table (default: half a verification; a long wait "
         "measures how often the table holds the outcome, whatever the drafter's speed)",
     )
+    from specwire.drafter.cli import add_min_confidence_argument
+
+    add_min_confidence_argument(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -86,6 +89,7 @@ def run(args: argparse.Namespace) -> int:
             params,
             k=args.k,
             cache_branches=args.cache_branches,
+            min_confidence=args.min_confidence,
             table_wait=None if args.table_wait_ms is None else args.table_wait_ms / 1e3,
             draft_top_k=args.draft_top_k,
             cuda_graphs=not args.no_cuda_graphs,
@@ -97,6 +101,7 @@ def run(args: argparse.Namespace) -> int:
         "temperature": args.temperature,
         "batch": args.batch,
         "cache_branches": args.cache_branches,
+        "min_confidence": args.min_confidence,
         "device": str(engine.device),
     }
     if args.json:
@@ -178,6 +183,7 @@ async def speculate(
     params: list[SamplingParams],
     k: int,
     cache_branches: int = 0,
+    min_confidence: float = 0.0,
     table_wait: float | None = None,
     draft_top_k: int = 32,
     cuda_graphs: bool = True,
@@ -198,6 +204,7 @@ async def speculate(
         k=k,
         max_branches=cache_branches,
         cuda_graphs=cuda_graphs,
+        min_confidence=min_confidence,
         step_timeout=60.0,
     )
     config = SchedulerConfig(

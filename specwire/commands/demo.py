@@ -18,6 +18,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+# On a CPU every draft step costs about as much as a small slice of a target step, so a chain stops where the
+# head is unsure (measured: see README, demo).
+CPU_MIN_CONFIDENCE = 0.0
 PROMPTS = (
     "Explain in two sentences why the sky is blue.",
     "Write a short poem about the sea.",
@@ -35,6 +38,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cache-branches", type=int, default=None,
                         help="speculation-cache table entries per request (default: 8 on a GPU, 2 on a CPU, "
                              "where drafting shares the cores with verification; 0 = draft each round)")
+    parser.add_argument("--min-confidence", type=float, default=None,
+                        help="the drafter's dynamic draft length (see `specwire drafter --help`; default: "
+                             f"{CPU_MIN_CONFIDENCE} on a CPU, where each draft step costs; 0 = off on a GPU)")
     parser.add_argument("--prompt", action="append", default=None, metavar="TEXT",
                         help="a prompt (repeatable; default: four built-in ones)")
     parser.add_argument("--startup-timeout", type=float, default=300.0,
@@ -157,11 +163,18 @@ def wait_drafter_connected(port: int, timeout: float) -> bool:
     return False
 
 
-def default_branches(args: argparse.Namespace) -> int:
+def on_gpu(args: argparse.Namespace) -> bool:
     import torch
 
-    on_gpu = args.device.startswith("cuda") if args.device else torch.cuda.is_available()
-    return 8 if on_gpu else 2
+    return args.device.startswith("cuda") if args.device else torch.cuda.is_available()
+
+
+def default_branches(args: argparse.Namespace) -> int:
+    return 8 if on_gpu(args) else 2
+
+
+def default_min_confidence(args: argparse.Namespace) -> float:
+    return 0.0 if on_gpu(args) else CPU_MIN_CONFIDENCE
 
 
 def run(args: argparse.Namespace) -> int:
@@ -182,8 +195,10 @@ def run(args: argparse.Namespace) -> int:
         services.append(target_only)
         if speculate:
             branches = str(args.cache_branches if args.cache_branches is not None else default_branches(args))
+            confidence = default_min_confidence(args) if args.min_confidence is None else args.min_confidence
             drafter = start("drafter", ["drafter", *common, "--head", str(head), "--max-drafts", str(args.k),
-                                        "--max-branches", branches, "--max-requests", "16"], log_dir)
+                                        "--max-branches", branches, "--max-requests", "16",
+                                        "--min-confidence", str(confidence)], log_dir)
             verifier = start("verifier", ["verifier", *common, "--k", str(args.k), "--cache-branches",
                                           branches, "--drafter", f"127.0.0.1:{drafter.port}"], log_dir)
             services += [drafter, verifier]
