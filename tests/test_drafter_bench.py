@@ -74,8 +74,11 @@ def test_bench_local_prints_acceptance_json(setup, capsys, arch, temperature):
     assert out["tokens"] <= 2 * 12 and out["draft_tokens"] >= out["accepted_tokens"]
 
 
-@pytest.mark.parametrize("arch,cache_branches", [("eagle1", 0), ("eagle3", 4)])
-def test_greedy_speculative_output_equals_target_only(setup, arch, cache_branches):
+@pytest.mark.parametrize("arch,cache_branches,min_confidence",
+                         [("eagle1", 0, 0.0), ("eagle3", 4, 0.0), ("eagle1", 0, 6e-4), ("eagle3", 4, 6e-4)])
+def test_greedy_speculative_output_equals_target_only(setup, arch, cache_branches, min_confidence):
+    """Serial and cached drafting, with and without dynamic draft length (the random heads' top
+    probabilities straddle 6e-4, so some chains stop early)."""
     target, heads, prompts = setup
     engine, tok = build_engine(str(target), str(heads[arch]), "cpu", batch=3, k=4)
     ids = [
@@ -83,16 +86,22 @@ def test_greedy_speculative_output_equals_target_only(setup, arch, cache_branche
         for p in ("Hello there", "Count to five.", "Why is the sky blue?", "Name a colour.")
     ]
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (20, 7, 13, 1)]
-    run = asyncio.run(speculate(engine, tok, str(heads[arch]), ids, params, k=4,
-                                cache_branches=cache_branches, draft_top_k=0))
+
+    def run(confidence: float) -> dict:
+        done = asyncio.run(speculate(engine, tok, str(heads[arch]), ids, params, k=4,
+                                     cache_branches=cache_branches, min_confidence=confidence, draft_top_k=0))
+        assert done.outputs == want
+        assert engine.num_free_slots == 3
+        return done.summary()
+
     want = [r.token_ids for r in engine.generate(ids, params)]
-    assert run.outputs == want
-    stats = run.summary()
-    assert engine.num_free_slots == 3
+    stats = run(min_confidence)
     if cache_branches:  # a random head's guesses at the bonus token rarely hit: the tables were looked up
         assert stats["cache_hit_rate"] is not None
     else:
         assert stats["draft_tokens"] > 0 and stats["cache_hit_rate"] is None
+    if min_confidence and not cache_branches:
+        assert stats["draft_tokens"] < run(0.0)["draft_tokens"]
 
 
 def test_bench_needs_local(setup, capsys):
