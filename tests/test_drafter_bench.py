@@ -70,6 +70,7 @@ def test_bench_local_prints_acceptance_json(setup, capsys, arch, temperature):
     out = json.loads(capsys.readouterr().out)
     assert out["prompts"] == 2 and out["k"] == 3
     assert 1.0 <= out["mean_acceptance_length"] <= 4.0
+    assert 1.0 <= out["tokens_per_round"] <= out["mean_acceptance_length"]
     assert len(out["acceptance_per_position"]) == 3
     assert out["tokens"] <= 2 * 12 and out["draft_tokens"] >= out["accepted_tokens"]
 

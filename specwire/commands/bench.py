@@ -4,7 +4,10 @@ JSON object.
 
 acceptance_per_position[j] is the share of verified drafts at position j + 1 that were accepted;
 mean_acceptance_length is the mean number of tokens a verification produced (accepted + 1) over the
-verifications that checked at least one draft. With --cache-branches > 0 the drafts come from
+verifications that checked at least one draft; tokens_per_round counts every round of a request, so those
+verified without drafts (a cache miss, a chain stopped by --min-confidence before its first draft) count
+too: decode tokens / (decode tokens - accepted drafts), as each round yields its accepted drafts and one
+token more (a request's first token comes from its prefill). With --cache-branches > 0 the drafts come from
 speculation-cache tables (the cache's hit rate is reported); by default they are drafted for the settled
 tokens each round, which measures the head alone.
 """
@@ -159,6 +162,7 @@ class LocalRun:
             j += 1
         lookups = {r: self._value("spec_cache_lookups", result=r) for r in ("hit", "miss", "late")}
         tokens = sum(len(o) for o in self.outputs)
+        decode = tokens - sum(1 for o in self.outputs if o)  # a request's first token comes from its prefill
         return {
             "mean_acceptance_length": round(1 + accepted / drafts, 4) if drafts else 1.0,
             "acceptance_per_position": per_position,
@@ -170,6 +174,7 @@ class LocalRun:
             if any(lookups.values())
             else None,
             "tokens": tokens,
+            "tokens_per_round": round(decode / (decode - accepted), 4) if decode > accepted else None,
             "seconds": round(self.seconds, 3),
             "tokens_per_s": round(tokens / self.seconds, 2) if self.seconds else 0.0,
         }
