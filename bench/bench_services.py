@@ -329,6 +329,8 @@ def main(argv: list[str] | None = None) -> int:
         "max_tokens": args.max_tokens, "repeats": args.repeats, "max_context": args.max_context,
         "client_processes": args.client_processes,
         "devices": {"drafter": args.drafter_device, "verifier": args.verifier_device},
+        # the services read their defaults from these; a run under SPECWIRE_SWITCH_INTERVAL=... says so
+        "environment": {k: v for k, v in sorted(os.environ.items()) if k.startswith("SPECWIRE_")},
     }
     plan = jobs(args, ws)
     max_batch = max([*args.batch_sizes, *args.sweep_batch_sizes])

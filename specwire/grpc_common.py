@@ -31,6 +31,7 @@ GENERATION_SERVICE = generation_pb2.DESCRIPTOR.services_by_name["Generation"].fu
 DRAFTER_SERVICE = drafter_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 DEFAULT_GRACE_SECONDS = 30.0
+DEFAULT_SWITCH_INTERVAL = 0.005  # Python's own; bench/results/switch_interval_*.json measure others
 
 # Long-lived Draft streams sit idle between bursts: clients ping to notice a dead peer, and servers must
 # allow those pings or they answer GOAWAY "too_many_pings" and cut the stream.
@@ -131,8 +132,17 @@ def add_logging_arguments(parser: argparse.ArgumentParser) -> None:
 # ---------------------------------------------------------------- event loop
 
 
-def run(main: Coroutine[Any, Any, T]) -> T:
-    """Runs `main` on uvloop where it is installed (lower RPC latency), else on asyncio's own loop."""
+def run(main: Coroutine[Any, Any, T], switch_interval: float | None = None) -> T:
+    """Runs `main` on uvloop where it is installed (lower RPC latency), else on asyncio's own loop.
+
+    switch_interval: sys.setswitchinterval. A service's model thread gives up the GIL at every device wait
+    and every torch call; while the event loop thread computes, taking it back costs up to one interval
+    (Python's default is 5 ms, as long as a whole decode step)."""
+    if switch_interval is not None:
+        if not 0 < switch_interval <= 0.1:
+            main.close()
+            raise ValueError(f"--switch-interval must be in (0, 0.1] seconds, got {switch_interval}")
+        sys.setswitchinterval(switch_interval)
     try:
         import uvloop
     except ImportError:
@@ -259,6 +269,11 @@ def add_server_arguments(parser: argparse.ArgumentParser, default_listen: str) -
     parser.add_argument("--grace-seconds", type=float,
                         default=env("SPECWIRE_GRACE_SECONDS", DEFAULT_GRACE_SECONDS),
                         help="on SIGTERM, how long in-flight calls may finish (env SPECWIRE_GRACE_SECONDS)")
+    parser.add_argument("--switch-interval", type=float,
+                        default=env("SPECWIRE_SWITCH_INTERVAL", DEFAULT_SWITCH_INTERVAL),
+                        help="seconds a Python thread may hold the GIL while another waits for it: the "
+                             "model thread waits at most this long to run again after a device wait "
+                             "(env SPECWIRE_SWITCH_INTERVAL)")
 
 
 def _message_size_options(max_message_bytes: int) -> list[tuple[str, int]]:

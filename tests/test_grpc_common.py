@@ -352,3 +352,24 @@ def test_flags_build_options_from_args_and_env(monkeypatch, pki):
         ("0.0.0.0:50051", 8 * 1024 * 1024, "t", 3.0)
     channel = ChannelOptions.from_args(args, prefix="drafter-")
     assert channel.tls and channel.tls_ca == pki["ca"][0] and channel.tls_cert is None
+
+
+def test_run_sets_the_switch_interval_for_the_service_and_refuses_nonsense():
+    """A service's event loop runs under the --switch-interval it was given (the model thread's wait for the
+    GIL after a device wait is bounded by it); zero, negative and absurd values are refused up front."""
+    default = sys.getswitchinterval()
+
+    async def seen() -> float:
+        return sys.getswitchinterval()
+
+    try:
+        assert grpc_common.run(seen(), switch_interval=2e-4) == pytest.approx(2e-4)
+    finally:
+        sys.setswitchinterval(default)
+    for bad in (0.0, -1e-3, 5.0):
+        with pytest.raises(ValueError, match="--switch-interval"):
+            grpc_common.run(seen(), switch_interval=bad)
+    parser = argparse.ArgumentParser()
+    grpc_common.add_server_arguments(parser, default_listen="127.0.0.1:0")
+    assert parser.parse_args([]).switch_interval == grpc_common.DEFAULT_SWITCH_INTERVAL
+    assert parser.parse_args(["--switch-interval", "0.001"]).switch_interval == 0.001

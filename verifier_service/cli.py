@@ -155,5 +155,5 @@ async def serve(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     grpc_common.setup_logging(args.log_level, args.log_format)
-    grpc_common.run(serve(args))
+    grpc_common.run(serve(args), switch_interval=args.switch_interval)
     return 0
