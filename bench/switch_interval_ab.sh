@@ -11,7 +11,7 @@ OUT=${OUT:-/tmp/specwire-out}
 source bench/device_env.sh
 export CUDA_DEVICE_ORDER=PCI_BUS_ID
 if [ -n "${PYSPY:-}" ]; then
-    python3 -m pip install -q --no-index --no-deps --target /tmp/site .devcarry/tools/py_spy-*.whl || exit 3
+    python3 -m pip install -q --upgrade --no-index --no-deps --target /tmp/site .devcarry/tools/py_spy-*.whl || exit 3
 fi
 bench=(python3 bench/bench_services.py --workloads synthetic --lengths 3 --hit-rates 0.8
        --setups target_only,two_gpus --batch-sizes "${BATCHES:-1,16}" --temperatures 0 --sweep-ks ''
