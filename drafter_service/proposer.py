@@ -512,9 +512,8 @@ class EagleProposer:
         reach = torch.cumprod(torch.where(checked, 1.0 if self.uniform_outcomes else q_drafted, 0.0), 1)
         reach = torch.cat([torch.ones_like(reach[:, :1]), reach], 1)  # P(the first j drafts are accepted)
         q[:, :K].scatter_(2, drafted[..., None], torch.where(checked, 0.0, q_drafted)[..., None])
-        score, flat = (reach[..., None] * q).flatten(1).topk(N, dim=1)  # [n, N]
-        V = q.shape[-1]
-        accepted, bonus = (flat // V).flatten(), (flat % V).flatten()
+        score, accepted, bonus = self._pick_outcomes(reach, q)
+        accepted, bonus = accepted.flatten(), bonus.flatten()
 
         rows = size * N
         branch_slots = self._branch_slots[:size].flatten()
@@ -555,6 +554,23 @@ class EagleProposer:
             if sample.top_q is not None:
                 self._br_top_idx[:rows, j].copy_(sample.top_idx)
                 self._br_top_q[:rows, j].copy_(sample.top_q)
+
+    def _pick_outcomes(self, reach: torch.Tensor, q: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A table's N outcomes (accepted drafts a, bonus token) per request, [n, N] each, with scores (0: an
+        outcome the check in flight cannot have). reach [n, K+1] = P(a drafts accepted); q [n, K+1, V] the
+        bonus token's distribution after a. By probability, reach * q; uniform_outcomes deals them in turn
+        to every reachable a, each a's likeliest bonus tokens first (a random head's q would pile them on a
+        few a, and a forced hit rate could not be met for the others)."""
+        N = self.max_branches
+        if not self.uniform_outcomes:
+            score, flat = (reach[..., None] * q).flatten(1).topk(N, dim=1)
+            return score, flat // q.shape[-1], flat % q.shape[-1]
+        top_q, top_idx = q.topk(N, dim=2)  # [n, K+1, N]
+        turn = torch.arange(N, 0, -1, device=q.device, dtype=q.dtype)  # an a's best bonus goes first
+        _, flat = (reach[..., None] * (turn + 0.5 * top_q)).flatten(1).topk(N, dim=1)
+        score = (reach[..., None] * top_q).flatten(1).gather(1, flat)
+        return score, flat // N, top_idx.flatten(1).gather(1, flat)
 
     def _branch_tables(self, requests: list[_Request], slots: list[list[int]], counts: list[int],
                        ks: list[int], temperature: list[float]) -> list[list[Branch]]:

@@ -64,6 +64,25 @@ def test_a_hit_commits_target_features_and_scores_every_outcome_of_the_check_in_
             assert b.token_ids == greedy_branch(s, "a", [], b.bonus, K)
 
 
+def test_uniform_outcomes_deal_branches_to_every_number_of_accepted_drafts(tmp_path):
+    """Synthetic benchmarks (random heads): a table for a check of K drafts holds a branch for every
+    a = 0..K, each a's likeliest bonus tokens first, so a forced hit rate can be met whatever a comes."""
+    branches = 2 * (K + 1) + 1
+    s = Setup(tmp_path, "eagle3", max_branches=branches, uniform_outcomes=True)
+    s.add("a", 6)
+    first = s.proposer.draft_branches(["a"], [None], [branches], [K], [0.0], [0])[0]
+    q = torch.softmax(s.chain_logits("a", [])[-1], -1)
+    assert [b.accepted for b in first] == [0] * branches  # nothing in flight: only a = 0 can come
+    assert [b.bonus for b in first] == s.to_target(q.topk(branches).indices).tolist()
+    hit = first[0]
+    s.proposer.update("a", [hit.bonus], torch.randn(1, s.head.config.feature_dim, generator=s.g))
+    table = s.proposer.draft_branches(["a"], [0], [branches], [K], [0.0], [0])[0]
+    per_a = [sum(b.accepted == a for b in table) for a in range(K + 1)]
+    assert sorted(per_a) == [2] * K + [3]  # dealt in turn: every a twice, then the ninth by q
+    for a in range(K):  # the rejected draft is never the bonus after a accepted
+        assert all(b.bonus != hit.token_ids[a] for b in table if b.accepted == a)
+
+
 @pytest.mark.parametrize("arch", ["eagle1", "eagle3"])
 def test_sampled_branches_ship_the_exact_top_k_q(tmp_path, arch):
     s = Setup(tmp_path, arch, max_branches=N)
