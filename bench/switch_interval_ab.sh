@@ -4,7 +4,8 @@
 #   SPECWIRE_COMMIT=<sha> PYSPY=1 bash bench/switch_interval_ab.sh 0.005       # the same under py-spy
 # The synthetic Llama-3.1-8B shape (no model to stage), target-only and drafter + verifier, batch 1 and 16,
 # greedy, forced mean acceptance length 3 and cache hit rate 0.8, once per SPECWIRE_SWITCH_INTERVAL given
-# (both services read it). Both services share GPU 0 unless DRAFTER_DEVICE says otherwise. $OUT gets one
+# (both services read it). Both services share GPU 0 unless DRAFTER_DEVICE / VERIFIER_DEVICE say otherwise;
+# SPECWIRE_PROFILE_DIR=... makes each service write a torch.profiler trace of a window of its steps. $OUT gets one
 # directory per interval (JSON, log) and, with PYSPY=1, py-spy's raw stacks of every process and thread.
 set -uo pipefail
 OUT=${OUT:-/tmp/specwire-out}
@@ -15,7 +16,7 @@ if [ -n "${PYSPY:-}" ]; then
 fi
 bench=(python3 bench/bench_services.py --workloads synthetic --lengths 3 --hit-rates 0.8
        --setups target_only,two_gpus --batch-sizes "${BATCHES:-1,16}" --temperatures 0 --sweep-ks ''
-       --repeats 2 --drafter-device "${DRAFTER_DEVICE:-cuda:0}" --verifier-device cuda:0
+       --repeats 2 --drafter-device "${DRAFTER_DEVICE:-cuda:0}" --verifier-device "${VERIFIER_DEVICE:-cuda:0}"
        --budget-seconds 240)
 status=0
 for interval in "$@"; do

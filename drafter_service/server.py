@@ -21,6 +21,7 @@ from specwire.drafter.proposer import EagleProposer, Proposal, ProposerError
 
 from specwire.config import ModelConfig
 from specwire.metrics import DrafterMetrics
+from specwire.step_profiler import StepProfiler
 from specwire.v1 import drafter_pb2 as pb
 from specwire.v1 import drafter_pb2_grpc
 from specwire.wire import PROTOCOL_VERSION, WireError, decode_tensor, encode_tensor
@@ -79,6 +80,7 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
         self._known: dict[str, int] = {}  # proposer key -> tokens the drafter holds for it
         # The proposer is single-threaded: every stream's steps queue on this one worker.
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="drafter-proposer")
+        self._profiler = StepProfiler("drafter")
 
     def load(self, proposer: EagleProposer, target: ModelConfig, tokenizer_fingerprint: str, head_name: str
              ) -> None:
@@ -198,6 +200,7 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
             except ProposerError as e:  # a want the proposer cannot serve: these requests get no drafts
                 result.error = str(e)
         result.compute_seconds = time.perf_counter() - started
+        self._profiler.step()
         self.metrics.draft_step_time.observe(result.compute_seconds)
         self.metrics.num_requests.set(len(self._known))
         return result

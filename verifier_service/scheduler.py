@@ -48,6 +48,7 @@ from specwire.engine import TargetEngine
 from specwire.forced_acceptance import rates_tensor
 from specwire.metrics import VerifierMetrics
 from specwire.sampling_params import SamplingParams
+from specwire.step_profiler import StepProfiler
 from specwire.tokenizer import IncrementalDetokenizer, Tokenizer
 from specwire.v1 import drafter_pb2 as dpb
 from specwire.v1 import generation_pb2 as gpb
@@ -207,6 +208,7 @@ class Scheduler:
         self._readback = _Readback()  # the worker's feature table on its way to the host
         self._wake = asyncio.Event()
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="verifier-engine")
+        self._profiler = StepProfiler("verifier")
         self._task: asyncio.Task | None = None
         if link is not None:
             link.handshake = self.handshake_request()
@@ -574,6 +576,7 @@ class Scheduler:
             rows = self._readback.wait()[index]
             features = list(rows.split([len(t) for t in tokens]))
         self.metrics.verify_step_time.observe(time.perf_counter() - started)
+        self._profiler.step()
         return _Step(tokens, features)
 
     def _sample(self, logits: torch.Tensor, requests: list[Request], batch: BatchDrafts) -> list[list[int]]:
