@@ -31,7 +31,7 @@ GENERATION_SERVICE = generation_pb2.DESCRIPTOR.services_by_name["Generation"].fu
 DRAFTER_SERVICE = drafter_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 DEFAULT_GRACE_SECONDS = 30.0
-DEFAULT_SWITCH_INTERVAL = 0.005  # Python's own; bench/results/switch_interval_*.json measure others
+DEFAULT_SWITCH_INTERVAL = 2e-4  # bench/results/switch_interval_h200x2/: 5 ms (Python's) halved speculation
 
 # Long-lived Draft streams sit idle between bursts: clients ping to notice a dead peer, and servers must
 # allow those pings or they answer GOAWAY "too_many_pings" and cut the stream.
