@@ -31,7 +31,7 @@ try:  # CPU-only installs may lack Triton; they run the reference.
 except ImportError:
     launch = None
 
-__all__ = ["DraftProbs", "SampleOutput", "SamplerInputError", "prepare_batch", "rejection_sample"]
+__all__ = ["DraftProbs", "SampleOutput", "SamplerInputError", "prepare_batch", "rejection_sample", "warm_up"]
 
 Backend = Literal["auto", "triton", "torch"]
 
@@ -206,11 +206,42 @@ def _to_device(parts: list[torch.Tensor | None], device: torch.device) -> list[t
                 moved[i] = t.to(device)
     if not host:
         return moved
-    host.sort(key=lambda i: -parts[i].element_size())  # widest first: every part starts aligned
-    flat = [parts[i].reshape(-1).view(torch.uint8) for i in host]
-    staging = torch.empty(sum(f.numel() for f in flat), dtype=torch.uint8, pin_memory=True)
-    torch.cat(flat, out=staging)
-    chunks = staging.to(device, non_blocking=True).split([f.numel() for f in flat])
+    # Every part starts 16-byte aligned: Triton compiles a kernel per pattern of pointer alignments, and
+    # offsets that moved with the batch's shape would make a new pattern (a compile) out of a new batch.
+    pieces = []
+    for i in host:
+        f = parts[i].reshape(-1).view(torch.uint8)
+        pieces += [f, torch.zeros(-f.numel() % 16, dtype=torch.uint8)]
+    staging = torch.empty(sum(p.numel() for p in pieces), dtype=torch.uint8, pin_memory=True)
+    torch.cat(pieces, out=staging)
+    chunks = staging.to(device, non_blocking=True).split([p.numel() for p in pieces])[::2]
     for i, chunk in zip(host, chunks, strict=True):
         moved[i] = chunk.view(parts[i].dtype).view(parts[i].shape)
     return moved
+
+
+def warm_up(device: torch.device, vocab_size: int, max_drafts: int,
+            synthetic_acceptance: torch.Tensor | None = None, q_width: int = 16) -> int:
+    """Runs the kernel once for each variant a server meets, so that Triton compiles them all now rather than
+    while a request waits: decode and verify steps; one-hot drafts (greedy and seeded requests) and sparse
+    top-K q of one and of q_width entries; with and without top-k filtering. Returns the number of calls
+    made (0 off CUDA or without Triton, where nothing is compiled)."""
+    if device.type != "cuda" or launch is None:
+        return 0
+    V, B, calls = vocab_size, 2, 0
+    for k in sorted({0, max_drafts}):
+        for width in (None,) if k == 0 else (None, 1, min(q_width, V)):
+            for top_k in (0, 8):
+                D = B * k
+                probs = None
+                if width is not None:
+                    values = torch.full((D, width), 1.0 / width)
+                    probs = DraftProbs.sparse(torch.arange(width).repeat(D, 1), values)
+                out = rejection_sample(
+                    torch.randn(B * (k + 1), V, device=device), torch.zeros(D, dtype=torch.long),
+                    torch.full((B,), k, dtype=torch.int32), probs, torch.ones(B), torch.full((B,), top_k),
+                    torch.ones(B), torch.zeros(B, dtype=torch.long), torch.zeros(B, dtype=torch.long),
+                    synthetic_acceptance=synthetic_acceptance)
+                out.token_lists()
+                calls += 1
+    return calls

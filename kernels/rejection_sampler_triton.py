@@ -279,6 +279,17 @@ def _rejection_kernel(
         tl.store(out_row, tl.where(any_bad != 0, -1, first_reject + 1).to(tl.int64))
 
 
+def _padded(t: torch.Tensor, fill: float) -> torch.Tensor:
+    """Sparse q [D, K] widened to at least 16 columns (-1 indices: unused slots), so that q of any width up
+    to 16 passes the kernel the same K and strides: one compiled kernel rather than one per width."""
+    width = max(16, triton.next_power_of_2(t.shape[1]))
+    if t.shape[1] == width:
+        return t
+    out = t.new_full((t.shape[0], width), fill)
+    out[:, :t.shape[1]] = t
+    return out
+
+
 def _block_quads(vocab_size: int) -> int:
     """Quads (4 vocab entries) per tile: up to 2048 entries a tile."""
     return min(512, triton.next_power_of_2(triton.cdiv(vocab_size, 4)))
@@ -306,7 +317,7 @@ def launch(batch: SamplerBatch) -> SampleOutput:
     if q is not None and q.is_dense:
         q_vals, mode = q.probs, Q_DENSE
     elif q is not None:
-        q_vals, q_idx, mode = q.values, q.indices, Q_SPARSE
+        q_vals, q_idx, mode = _padded(q.values, 0.0), _padded(q.indices, -1), Q_SPARSE
         K, W = q_idx.shape[1], triton.cdiv(V, 32)
         bitmap = torch.empty((q_idx.shape[0], W), dtype=torch.int32, device=device)
     draft_ids = batch.draft_ids if batch.draft_ids.numel() > 0 else none_i64
@@ -319,8 +330,11 @@ def launch(batch: SamplerBatch) -> SampleOutput:
         batch.temperature, batch.seed, batch.positions, theta, rate, scratch, packed, packed.stride(0),
         V, K, W, batch.max_drafts + 1,
         Q_MODE=mode, HAS_THETA=batch.thresholds is not None, HAS_RATE=batch.synthetic is not None,
-        BQ=_block_quads(V), BLOCK_K=triton.next_power_of_2(K), BLOCK_W=min(1024, triton.next_power_of_2(W)),
-        MAX_ROWS=triton.next_power_of_2(batch.max_drafts + 1), num_warps=8 if V >= 8192 else 4,
+        # Block sizes rounded up to a floor, so that every k <= 7 and every q width <= 16 share one compiled
+        # kernel (each new one is a Triton compile: a stall of a second in the middle of serving).
+        BQ=_block_quads(V), BLOCK_K=max(16, triton.next_power_of_2(K)),
+        BLOCK_W=min(1024, triton.next_power_of_2(W)),
+        MAX_ROWS=max(8, triton.next_power_of_2(batch.max_drafts + 1)), num_warps=8 if V >= 8192 else 4,
         enable_fp_fusion=False,  # no FMA contraction: the same roundings as the reference
     )
     return SampleOutput(packed)

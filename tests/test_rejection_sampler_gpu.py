@@ -101,3 +101,41 @@ def test_deferred_check_raises_at_token_lists_cuda():
     out = rejection_sample(**batch, defer_check=True)
     with pytest.raises(SamplerInputError, match="requests"):
         out.token_lists()
+
+
+def test_warm_up_compiles_every_variant_a_server_meets():
+    """After warm_up (what the verifier runs before it serves), the steps a server makes, decode and verify
+    at every k up to the maximum, greedy, seeded and sampled with q of any width up to 16, filtered or not,
+    at batch sizes that move every host part's offset, compile no further kernel (each would stall a
+    request for the length of a Triton compile)."""
+    from specwire.kernels.rejection_sampler import warm_up
+    from specwire.kernels.rejection_sampler_triton import _rejection_kernel
+
+    V, max_k, device = 8193, 4, torch.device("cuda")
+    assert warm_up(device, V, max_k) == 2 + 3 * 2
+
+    def compiled() -> int:
+        return sum(len(cache[0]) for cache in _rejection_kernel.device_caches.values())
+
+    before, g = compiled(), torch.Generator().manual_seed(0)
+    assert before > 0
+    for B in (1, 3, 16, 33):
+        for k in range(max_k + 1):
+            for width in (None, 1, 3, 16) if k else (None,):
+                for temperature, top_k in ((0.0, 0), (1.0, 0), (0.7, 5)):
+                    if width is not None and temperature == 0.0:
+                        continue  # greedy requests draft one-hot
+                    D = B * k
+                    probs = None
+                    if width is not None:
+                        idx = torch.stack([torch.randperm(V, generator=g)[:width] for _ in range(D)])
+                        probs = DraftProbs.sparse(idx, torch.full((D, width), 1.0 / width))
+                        drafts = idx[:, 0]
+                    else:
+                        drafts = torch.randint(0, V, (D,), generator=g)
+                    out = rejection_sample(
+                        torch.randn(B * (k + 1), V, device=device), drafts,
+                        torch.full((B,), k, dtype=torch.int32), probs, torch.full((B,), temperature),
+                        torch.full((B,), top_k), torch.ones(B), torch.arange(B), torch.arange(B) * 7)
+                    assert all(1 <= len(t) <= k + 1 for t in out.token_lists())
+    assert compiled() == before

@@ -83,7 +83,10 @@ def parse_aux_layers(text: str, num_layers: int) -> tuple[int, ...]:
 
 def load_engine(args: argparse.Namespace):
     """(engine, tokenizer, model name) from the flags; the engine taps the aux layers only with a drafter."""
+    from specwire.kernels.rejection_sampler import warm_up
+
     from specwire.engine import TargetEngine, device_and_dtype  # torch loads here, once the flags are valid
+    from specwire.forced_acceptance import forced_rates, rates_tensor
     from specwire.model_source import load_model
 
     device, dtype = device_and_dtype(args.device, args.dtype)
@@ -93,6 +96,11 @@ def load_engine(args: argparse.Namespace):
     engine = TargetEngine(device=device, dtype=dtype, max_slots=args.max_slots,
                           max_context=args.max_context, cuda_graphs=not args.no_cuda_graphs, aux_layers=aux,
                           max_verify_tokens=args.k + 1, checkpoint=(config, state_dict))
+    rates = None
+    if args.forced_acceptance_length is not None:  # as the scheduler will pass them, on every step
+        rates = rates_tensor(forced_rates(float(args.forced_acceptance_length), args.k))
+    calls = warm_up(engine.device, config.vocab_size, args.k if speculating else 0, rates, args.draft_top_k)
+    log.info("sampler warmed up", extra={"variants": calls})
     return engine, tokenizer, name
 
 
