@@ -210,7 +210,10 @@ def _to_device(parts: list[torch.Tensor | None], device: torch.device) -> list[t
     # offsets that moved with the batch's shape would make a new pattern (a compile) out of a new batch.
     pieces = []
     for i in host:
-        f = parts[i].contiguous().reshape(-1).view(torch.uint8)
+        f = parts[i].reshape(-1)
+        if f.stride(0) != 1:  # a column of a table (one element long: is_contiguous() but stride != 1)
+            f = torch.empty(f.numel(), dtype=f.dtype).copy_(f)
+        f = f.view(torch.uint8)
         pieces += [f, torch.zeros(-f.numel() % 16, dtype=torch.uint8)]
     staging = torch.empty(sum(p.numel() for p in pieces), dtype=torch.uint8, pin_memory=True)
     torch.cat(pieces, out=staging)
