@@ -136,8 +136,9 @@ class SchedulerConfig:
     default_max_tokens: int = 128
     draft_top_k: int = 16  # sampled drafts are drawn from the top-K of the head's q (and shipped sparse)
     cache_branches: int = 8  # speculation-cache table entries per request; 0 = serial drafting
-    # How long a finished verification waits for a table still on its way; None = while waiting still
-    # beats a round without drafts (Scheduler._table_wait). Never longer than the link's step timeout.
+    # How long a finished verification waits for a table still on its way; None = half the last
+    # verification's time (a hit saves a round of drafting, a long wait loses what it saves). Never longer
+    # than the link's step timeout.
     table_wait: float | None = None
     forced_acceptance: tuple[float, ...] | None = None  # benchmarks only: acceptance rate per draft position
     # Benchmarks of synthetic targets only: this share of lookups is made to hit by replacing the settled
@@ -201,7 +202,6 @@ class Scheduler:
         self._frees: list[str] = []  # requests the drafter knows that left the batch
         self._in_flight: tuple[asyncio.Future, dict[str, Want]] | None = None  # serial mode's sent step
         self._verify_seconds = 0.0  # wall time of the last verification, launch to tokens
-        self._tau = 2.0  # moving mean acceptance length of rounds with drafts (for _table_wait)
         self._forcing = random.Random(0)  # forced_hit_rate's draws
         self._feature_columns: torch.Tensor | slice | None = None
         self._feature_dtype = torch.float32
@@ -421,7 +421,8 @@ class Scheduler:
         if sent is None:
             return None
         future, wants = sent
-        result = await self.link.result(future, timeout=min(self._table_wait(), self.link.step_timeout))
+        wait = self.config.table_wait if self.config.table_wait is not None else 0.5 * self._verify_seconds
+        result = await self.link.result(future, timeout=min(wait, self.link.step_timeout))
         if result is None:
             return None
         if result.error:
@@ -430,15 +431,6 @@ class Scheduler:
         self._count_bad(aligned)
         self._apply_dropped(result)
         return tables
-
-    def _table_wait(self) -> float:
-        """How long a late table may hold the next verification back. A round with drafts settles about tau
-        tokens a request (the recent mean acceptance length), a round without settles 1, each in about a
-        verification's time t; waiting w for the table pays while tau / (t + w) > 1 / t, so w < (tau - 1) t.
-        Never below half a verification (the fixed wait this rule replaced)."""
-        if self.config.table_wait is not None:
-            return self.config.table_wait
-        return max(0.5, self._tau - 1.0) * self._verify_seconds
 
     def _force_hit(self, table: Table, tokens: list[int]) -> None:
         """forced_hit_rate: rewrites the bonus token (the last of `tokens`) to an entry's, at that rate."""
@@ -467,9 +459,6 @@ class Scheduler:
             self._stream(r, new, now)
         accepted = [len(t) - 1 for t in tokens]
         self.metrics.observe_verification(num_drafts, accepted)
-        drafted = [a + 1 for a, d in zip(accepted, num_drafts, strict=True) if d]
-        if drafted:  # a moving mean over rounds, so that the table wait follows the acceptance of the day
-            self._tau += 0.1 * (sum(drafted) / len(drafted) - self._tau)
         for r, drafted, taken in zip(live, num_drafts, accepted, strict=True):
             r.drafts += drafted > 0
             r.draft_tokens += drafted
