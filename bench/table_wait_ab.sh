@@ -5,6 +5,7 @@
 # this one, in one call: $OUT/before and $OUT/after.
 set -uo pipefail
 OUT=${OUT:-/tmp/specwire-out}
+source bench/device_env.sh > /dev/null 2>&1  # installs the carried wheels into /tmp/site for both trees
 for side in before after; do
     tree=.; [ $side = before ] && tree=.devcarry/old
     mkdir -p "$OUT/$side"
