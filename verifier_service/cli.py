@@ -6,6 +6,8 @@ import argparse
 import asyncio
 import logging
 
+from specwire.drafter.cli import add_min_confidence_argument
+
 from specwire import grpc_common
 from specwire.config import default_aux_layers
 
@@ -24,9 +26,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --colocated: EAGLE head directory (default: the shipped head)")
     parser.add_argument("--drafter-device", default=None,
                         help="with --colocated: the drafter's device (default: the target's)")
-    parser.add_argument("--min-confidence", type=float, default=env("SPECWIRE_MIN_CONFIDENCE", 0.0),
-                        help="with --colocated: the drafter's dynamic draft length (see `specwire drafter "
-                             "--help`; default 0 = off)")
+    add_min_confidence_argument(parser)  # with --colocated: the in-process drafter's
     grpc_common.add_channel_arguments(parser, prefix="drafter-")
     grpc_common.add_model_arguments(parser, dtype_of="weights and KV cache")
     parser.add_argument("--k", type=int, default=env("SPECWIRE_K", 4),
@@ -83,10 +83,7 @@ def parse_aux_layers(text: str, num_layers: int) -> tuple[int, ...]:
 
 def load_engine(args: argparse.Namespace):
     """(engine, tokenizer, model name) from the flags; the engine taps the aux layers only with a drafter."""
-    from specwire.kernels.rejection_sampler import warm_up
-
     from specwire.engine import TargetEngine, device_and_dtype  # torch loads here, once the flags are valid
-    from specwire.forced_acceptance import forced_rates, rates_tensor
     from specwire.model_source import load_model
 
     device, dtype = device_and_dtype(args.device, args.dtype)
@@ -96,19 +93,15 @@ def load_engine(args: argparse.Namespace):
     engine = TargetEngine(device=device, dtype=dtype, max_slots=args.max_slots,
                           max_context=args.max_context, cuda_graphs=not args.no_cuda_graphs, aux_layers=aux,
                           max_verify_tokens=args.k + 1, checkpoint=(config, state_dict))
-    rates = None
-    if args.forced_acceptance_length is not None:  # as the scheduler will pass them, on every step
-        rates = rates_tensor(forced_rates(float(args.forced_acceptance_length), args.k))
-    calls = warm_up(engine.device, config.vocab_size, args.k if speculating else 0, rates, args.draft_top_k)
-    log.info("sampler warmed up", extra={"variants": calls})
     return engine, tokenizer, name
 
 
 async def serve(args: argparse.Namespace) -> None:
+    from specwire.kernels.rejection_sampler import warm_up
     from specwire.verifier.scheduler import SchedulerConfig
     from specwire.verifier.server import VerifierServer, VerifierSettings
 
-    from specwire.forced_acceptance import forced_rates
+    from specwire.forced_acceptance import forced_rates, rates_tensor
     from specwire.metrics import VerifierMetrics
 
     if args.k < 0:
@@ -140,6 +133,12 @@ async def serve(args: argparse.Namespace) -> None:
 
     async def load() -> None:
         engine, tokenizer, name = await asyncio.to_thread(load_engine, args)
+        # Triton compiles the sampler's variants now, with the forced rates the scheduler will pass, rather
+        # than while a request waits.
+        max_drafts = args.k if settings.drafter or args.colocated else 0
+        calls = await asyncio.to_thread(warm_up, engine.device, engine.config.vocab_size, max_drafts,
+                                        rates_tensor(forced), args.draft_top_k)
+        log.info("sampler warmed up", extra={"variants": calls})
         link = None
         if args.colocated and args.k > 0:
             from specwire.colocated import colocated_link
