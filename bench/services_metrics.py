@@ -4,7 +4,8 @@ the speculation cache's hit rate and the bytes on the drafter link, as differenc
 Families read (absent ones give None, so the bench runs against older or newer services alike):
 - verifier: specwire_verify_step_seconds (engine-thread time of one step: forward, sampling, readback),
   specwire_drafter_rpc_latency_seconds (DraftStep sent to its result received), specwire_drafter_rpc_bytes
-  {direction}, specwire_spec_cache_lookups{result="hit"|"miss"|"late"} (the speculation cache, when present);
+  {direction}, specwire_spec_cache_lookups{result="hit"|"miss"|"late"|"unasked"} (the speculation cache,
+  when present);
 - drafter: specwire_drafter_step_seconds (compute of one DraftStep).
 """
 
@@ -13,6 +14,8 @@ from __future__ import annotations
 import urllib.request
 
 from prometheus_client.parser import text_string_to_metric_families
+
+from specwire.metrics import LOOKUP_RESULTS
 
 Scrape = dict[str, float]  # 'name' or 'name{label="value",...}' -> value
 
@@ -69,12 +72,13 @@ def round_split(delta: Delta, wall: float) -> dict[str, float | None]:
 
 
 def cache_hit_rate(delta: Delta) -> dict[str, float | None] | None:
-    """Speculation-cache lookups by result and the hit share, or None when the verifier has no cache."""
+    """Speculation-cache lookups by result and the hit share of those with a table to look in (unasked: none
+    was asked for), or None when the verifier has no cache."""
     family = "specwire_spec_cache_lookups_total"
-    counts = {r: delta.get("verifier", f'{family}{{result="{r}"}}') for r in ("hit", "miss", "late")}
+    counts = {r: delta.get("verifier", f'{family}{{result="{r}"}}') for r in LOOKUP_RESULTS}
     if all(v is None for v in counts.values()):
         return None
-    total = sum(v or 0.0 for v in counts.values())
+    total = sum(counts[r] or 0.0 for r in ("hit", "miss", "late"))
     return {**counts, "hit_rate": (counts["hit"] or 0.0) / total if total else None}
 
 

@@ -62,6 +62,7 @@ STEP_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.0
 FALLBACK_REASONS = ("down", "timeout", "bad_payload")
 FINISH_REASONS = ("stop", "length", "abort", "error")
 STEP_MODES = ("cuda_graph", "eager")
+LOOKUP_RESULTS = ("hit", "miss", "late", "unasked")
 BAD_PAYLOAD_REASONS = ("bad_tensor", "unknown_request", "probs_mismatch", "link_error")
 DIRECTIONS = ("sent", "received")
 # Requests refused before they were queued, by the google.rpc code of their in-band Error.
@@ -167,10 +168,11 @@ class VerifierMetrics(_ServiceMetrics):
         self.spec_cache_lookups = c(
             "spec_cache_lookups",
             "Speculation-cache lookups after a verification, per request: hit (drafts ready), miss (outcome "
-            "not in the table), late (the table did not come in time).",
+            "not in the table), late (the table did not come in time), unasked (no table was asked for: the "
+            "drafter link at its in-flight limit, or the request at its end).",
             ["result"],
         )
-        self.cache = {r: self.spec_cache_lookups.labels(result=r) for r in ("hit", "miss", "late")}
+        self.cache = {r: self.spec_cache_lookups.labels(result=r) for r in LOOKUP_RESULTS}
         self.requests_rejected = c(
             "requests_rejected", "Requests refused before they were queued, by error code.", ["code"]
         )

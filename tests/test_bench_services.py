@@ -37,7 +37,8 @@ def test_round_split_cache_and_bytes_from_two_scrapes():
     split = round_split(delta, wall=0.5)  # 100 steps in 0.5 s
     assert split == pytest.approx({"steps": 100, "wall": 5.0, "verify": 2.0, "drafter_round_trip": 1.5,
                                    "draft": 0.5, "transport": 1.0, "host": 1.5, "not_verify": 3.0})
-    assert cache_hit_rate(delta) == pytest.approx({"hit": 75, "miss": 25, "late": None, "hit_rate": 0.75})
+    assert cache_hit_rate(delta) == pytest.approx({"hit": 75, "miss": 25, "late": None, "unasked": None,
+                                                   "hit_rate": 0.75})
     assert cache_hit_rate(Delta(before, before)) is None
     assert wire_bytes_per_step(delta) == {"sent": 50.0, "received": None}
 

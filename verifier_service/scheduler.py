@@ -57,6 +57,11 @@ from specwire.wire import PROTOCOL_VERSION, encode_row_blocks
 log = logging.getLogger("specwire.verifier.scheduler")
 
 
+def _resolve(future: asyncio.Future) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
 class RequestError(ValueError):
     """A request the scheduler refuses; `code` is a generation_pb2.ErrorCode."""
 
@@ -202,6 +207,7 @@ class Scheduler:
         self._frees: list[str] = []  # requests the drafter knows that left the batch
         self._in_flight: tuple[asyncio.Future, dict[str, Want]] | None = None  # serial mode's sent step
         self._verify_seconds = 0.0  # wall time of the last verification, launch to tokens
+        self._unfinished: deque[tuple] = deque()  # verified rounds whose tokens are not streamed yet
         self._forcing = random.Random(0)  # forced_hit_rate's draws
         self._feature_columns: torch.Tensor | slice | None = None
         self._feature_dtype = torch.float32
@@ -282,6 +288,8 @@ class Scheduler:
             self._reap()
             self.metrics.num_requests_running.set(len(self.running))
             self.metrics.num_requests_waiting.set(len(self.waiting))
+            if not self.running:
+                self._finish_rounds()
             if not self.waiting and not self.running:
                 if self._frees and self.speculating:
                     self._send_step([], branches=False)
@@ -289,6 +297,7 @@ class Scheduler:
                 await self._wake.wait()
                 continue
             if self.waiting and self.engine.num_free_slots:
+                self._finish_rounds()
                 await self._guarded(self._prefill, self._admit())
             if self.running:
                 await self._guarded(self._round, list(self.running))
@@ -374,16 +383,19 @@ class Scheduler:
         if sent is None and self.config.num_speculative_tokens and self.link and not self.link.connected:
             self.metrics.fallbacks["down"].inc()
         started = time.perf_counter()
-        verification = asyncio.get_running_loop().run_in_executor(self._worker, self._verify_on_worker, live,
-                                                                  batch)
+        loop = asyncio.get_running_loop()
+        launched = loop.create_future()
+        verification = loop.run_in_executor(self._worker, self._verify_on_worker, live, batch,
+                                            lambda: loop.call_soon_threadsafe(_resolve, launched))
+        # Until the worker has launched the verification, this thread keeps off the GIL it needs for that.
+        await asyncio.wait((launched, verification), return_when=asyncio.FIRST_COMPLETED)
+        self._finish_rounds()  # the last round's tokens go out while the GPU verifies this one
         if caching:  # the tables for this verification's outcomes are drafted while it runs
             sent = self._send_step(live, branches=True, checking=batch.num_drafts)
         step = await verification
         self._verify_seconds = time.perf_counter() - started
         tables = await self._tables(sent) if caching else None
         wanted = sent[1] if caching and sent else {}
-        # Streaming the settled tokens and the metrics wait for the next loop turn: by then the next
-        # verification has been handed to the worker, so this work overlaps the GPU.
         settled = []
         for i, r in enumerate(live):
             if step.features is not None:
@@ -395,12 +407,13 @@ class Scheduler:
                 settled.append((r, self._settle(r, step.tokens[i])))
                 if r.id in wanted and r.live:
                     self._look_up(r, tables, step.tokens[i])
-        try:
-            if self.speculating and not caching:
-                self._send_step([r for r in live if r.live], branches=False)
-        finally:
-            loop = asyncio.get_running_loop()
-            loop.call_soon(self._finish_round, live, batch.num_drafts, step.tokens, settled)
+                elif caching and r.live:
+                    self.metrics.cache["unasked"].inc()
+        # Streaming the settled tokens and the metrics wait for the next verification's launch (or for the
+        # loop to have nothing to launch): that work then overlaps the GPU instead of delaying it.
+        self._unfinished.append((live, batch.num_drafts, step.tokens, settled))
+        if self.speculating and not caching:
+            self._send_step([r for r in live if r.live], branches=False)
 
     def _cached_drafts(self, live: list[Request]) -> BatchDrafts:
         """The drafts the last tables hold for each request's outcome, cut to the room it has left."""
@@ -451,18 +464,20 @@ class Scheduler:
         if entry is not None:
             r.next_branch, r.next_drafts = entry
 
-    def _finish_round(self, live: list[Request], num_drafts: list[int], tokens: list[list[int]],
-                      settled: list[tuple[Request, list[int]]]) -> None:
-        """After a verification: streams the settled tokens, and counts drafts and acceptance."""
+    def _finish_rounds(self) -> None:
+        """After verifications: streams their settled tokens, and counts drafts and acceptance."""
         now = time.perf_counter()
-        for r, new in settled:
-            self._stream(r, new, now)
-        accepted = [len(t) - 1 for t in tokens]
-        self.metrics.observe_verification(num_drafts, accepted)
-        for r, drafted, taken in zip(live, num_drafts, accepted, strict=True):
-            r.drafts += drafted > 0
-            r.draft_tokens += drafted
-            r.accepted_tokens += taken
+        while self._unfinished:
+            live, num_drafts, tokens, settled = self._unfinished.popleft()
+            for r, new in settled:
+                if r.finish_reason != "abort":  # aborted since it settled: the stream has ended already
+                    self._stream(r, new, now)
+            accepted = [len(t) - 1 for t in tokens]
+            self.metrics.observe_verification(num_drafts, accepted)
+            for r, drafted, taken in zip(live, num_drafts, accepted, strict=True):
+                r.drafts += drafted > 0
+                r.draft_tokens += drafted
+                r.accepted_tokens += taken
 
     def _drafts_for(self, live: list[Request], result: dpb.DraftResult | None, wants: dict[str, Want]
                     ) -> BatchDrafts:
@@ -549,7 +564,8 @@ class Scheduler:
         return _Step(tokens, features)
 
     @torch.inference_mode()
-    def _verify_on_worker(self, live: list[Request], batch: BatchDrafts) -> _Step:
+    def _verify_on_worker(self, live: list[Request], batch: BatchDrafts, on_launch=lambda: None) -> _Step:
+        """on_launch: called once the target's forward is queued on the device."""
         started = time.perf_counter()
         slots = [r.slot for r in live]
         starts = [len(r.tokens) - 1 for r in live]
@@ -560,6 +576,7 @@ class Scheduler:
         else:
             out = self.engine.decode(slots, [r.tokens[-1] for r in live], starts)
             width = 1
+        on_launch()
         mode = "eager" if self.engine.graphs_for(len(live), width) is None else "cuda_graph"
         self.metrics.forward_steps_by_mode[mode].inc()
         # Every fed row's features start towards the host now, overlapping the sampler; the settled rows are
@@ -569,12 +586,12 @@ class Scheduler:
         tokens = self._sample(out.logits, live, batch)
         features = None
         if self.link is not None:  # the rows the target ran on whose next token is now settled
-            index, first = [], 0
+            # Views of the readback buffer: _round copies them into each request's FeatureRows before the
+            # next verification reuses it.
+            rows, features, first = self._readback.wait(), [], 0
             for drafted, settled in zip(batch.num_drafts, tokens, strict=True):
-                index += range(first, first + len(settled))
+                features.append(rows[first:first + len(settled)])
                 first += drafted + 1
-            rows = self._readback.wait()[index]
-            features = list(rows.split([len(t) for t in tokens]))
         self.metrics.verify_step_time.observe(time.perf_counter() - started)
         self._profiler.step()
         return _Step(tokens, features)

@@ -20,6 +20,7 @@ import json
 import time
 from dataclasses import dataclass
 
+from specwire.metrics import LOOKUP_RESULTS
 from specwire.sampling_params import SamplingParams
 
 
@@ -160,7 +161,8 @@ class LocalRun:
                 round(self._value("spec_decode_num_accepted_tokens_per_pos", position=str(j)) / drafted, 4)
             )
             j += 1
-        lookups = {r: self._value("spec_cache_lookups", result=r) for r in ("hit", "miss", "late")}
+        lookups = {r: self._value("spec_cache_lookups", result=r) for r in LOOKUP_RESULTS}
+        looked_up = sum(lookups.values()) - lookups["unasked"]  # unasked: no table to look in
         tokens = sum(len(o) for o in self.outputs)
         decode = tokens - sum(1 for o in self.outputs if o)  # a request's first token comes from its prefill
         return {
@@ -170,9 +172,7 @@ class LocalRun:
             "drafts": int(drafts),
             "draft_tokens": int(draft_tokens),
             "accepted_tokens": int(accepted),
-            "cache_hit_rate": round(lookups["hit"] / sum(lookups.values()), 4)
-            if any(lookups.values())
-            else None,
+            "cache_hit_rate": round(lookups["hit"] / looked_up, 4) if looked_up else None,
             "tokens": tokens,
             "tokens_per_round": round(decode / (decode - accepted), 4) if decode > accepted else None,
             "seconds": round(self.seconds, 3),

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Runs ON nvidia-h200-x2, carry [".devcarry/wmin", ".devcarry/old"] where .devcarry/old is `git archive <before>`
+# A before/after A/B of the services. Runs ON nvidia-h200-x2, carry [".devcarry/wmin", ".devcarry/old"] where .devcarry/old is `git archive <before>`
 # of the commit to compare with (its heads/ left out: the synthetic shape needs none). The 8B shape (forced
 # tau 3, hit 0.8), target-only and two GPUs, batch 1 and 16, T = 0 and 1, first in the old tree, then in
 # this one, in one call: $OUT/before and $OUT/after.
