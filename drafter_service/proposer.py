@@ -39,7 +39,7 @@ class Branch(NamedTuple):
     accepted: int
     bonus: int
     token_ids: list[int]
-    q_indices: torch.Tensor | None  # [k, K] int64 target ids, -1 = unused slot; None for greedy drafts
+    q_indices: torch.Tensor | None  # [k, K] int32 target ids, -1 = unused slot; None for greedy drafts
     q_values: torch.Tensor | None  # [k, K] float32
 
 
@@ -581,12 +581,13 @@ class EagleProposer:
         score = self._br_score[:rows].tolist()
         tokens = self._br_tokens[:rows].tolist()
         confident = self._br_confident[:rows].tolist() if self.min_confidence else [self.max_drafts] * rows
-        sampled = any(t > 0 for t in temperature)
-        if sampled:
-            to_target = self.head.draft_to_target
+        if any(t > 0 for t in temperature):  # q as each branch ships it, for all rows at once: a few large
+            to_target = self.head.draft_to_target  # ops and copies instead of several tiny ones per branch
+            top_q = self._br_top_q[:rows]
             top_idx = self._br_top_idx[:rows]
-            top_idx = (top_idx if to_target is None else to_target[top_idx]).cpu()
-            top_q = self._br_top_q[:rows].cpu()
+            top_idx = torch.where(top_q > 0, top_idx if to_target is None else to_target[top_idx], -1).int()
+            support = (top_q > 0).sum(2).tolist()  # [rows, K]: the width of each draft's q
+            top_q, top_idx = top_q.cpu(), top_idx.cpu()
         tables = []
         for b, (r, n, k, t) in enumerate(zip(requests, counts, ks, temperature, strict=True)):
             table = []
@@ -600,9 +601,8 @@ class EagleProposer:
                 q_idx = q_val = None
                 if t > 0 and ids:
                     n = len(ids)
-                    width = max(1, int((top_q[row, :n] > 0).sum(1).max()))
-                    q_val = top_q[row, :n, :width]
-                    q_idx = torch.where(q_val > 0, top_idx[row, :n, :width], -1)
+                    width = max(1, *support[row][:n])
+                    q_val, q_idx = top_q[row, :n, :width], top_idx[row, :n, :width]
                 table.append(Branch(len(r.branches) - 1, accepted[row], bonus[row], ids, q_idx, q_val))
             tables.append(table)
         return tables

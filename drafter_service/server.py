@@ -280,7 +280,7 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
                     message.probs_kind = pb.PROBS_KIND_NONE
                     continue
                 message.probs_kind = pb.PROBS_KIND_SPARSE
-                message.sparse.indices.CopyFrom(encode_tensor(branch.q_indices.to(torch.int32)))
+                message.sparse.indices.CopyFrom(encode_tensor(branch.q_indices))
                 message.sparse.values.CopyFrom(encode_tensor(branch.q_values))
         self.metrics.draft_tokens.inc(drafted)
 

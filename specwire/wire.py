@@ -28,6 +28,7 @@ _TORCH_DTYPE = {
 _WIRE_DTYPE = {v: k for k, v in _TORCH_DTYPE.items()}
 # bfloat16 has no numpy twin, so its bytes travel through a same-width integer view.
 _BYTE_VIEW = {torch.bfloat16: torch.int16}
+_NUMPY_DTYPES = frozenset(_WIRE_DTYPE) - frozenset(_BYTE_VIEW)
 
 # The wire is little-endian and tensors are copied as raw memory, which is only right on a little-endian host.
 if sys.byteorder != "little":
@@ -40,6 +41,10 @@ class WireError(ValueError):
 
 def encode_tensor(tensor: torch.Tensor) -> pb.Tensor:
     """Copies `tensor` (any device, any strides) into a Tensor message."""
+    if tensor.device.type == "cpu" and tensor.dtype in _NUMPY_DTYPES:
+        # The common small CPU tensor (a branch's q): numpy copies any strides to bytes in one call.
+        return pb.Tensor(data=tensor.detach().numpy().tobytes(), dtype=_WIRE_DTYPE[tensor.dtype],
+                         shape=tensor.shape)
     host, data = _host_bytes(tensor)
     return pb.Tensor(data=data, dtype=_WIRE_DTYPE[host.dtype], shape=list(host.shape))
 
