@@ -36,6 +36,7 @@ from specwire.verifier.alignment import (
     AlignedResult,
     BatchDrafts,
     Drafts,
+    ProposalError,
     Table,
     Want,
     batch_drafts,
@@ -459,7 +460,11 @@ class Scheduler:
         if tables is None:
             self.metrics.cache["late"].inc()
             return
-        entry = tables.get(r.id, Table()).entries.get((len(tokens) - 1, tokens[-1]))
+        try:
+            entry = tables.get(r.id, Table()).pick((len(tokens) - 1, tokens[-1]), self.vocab_size)
+        except ProposalError as e:  # the picked entry's drafts are bad: this request verifies none
+            self._count_bad(AlignedResult(invalid={r.id: str(e)}))
+            entry = None
         self.metrics.cache["miss" if entry is None else "hit"].inc()
         if entry is not None:
             r.next_branch, r.next_drafts = entry
