@@ -48,7 +48,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "verification runs (default 8; 0 = wait for drafts each round)")
     parser.add_argument("--table-wait-ms", type=float, default=env("SPECWIRE_TABLE_WAIT_MS", None),
                         help="how long a finished verification waits for a table still on its way "
-                             "(default: half the last verification's time)")
+                             "(default: decided each round: waited for when it is due within what a hit "
+                             "is worth, else not at all)")
     parser.add_argument("--aux-layers", default=env("SPECWIRE_AUX_LAYERS", "eagle3"),
                         help="target layers whose input EAGLE-3 heads read: comma-separated, 'eagle3' "
                              "(2, L/2, L-3) or 'none' (default eagle3)")

@@ -46,6 +46,12 @@ class _StepResults:
 
     metrics: VerifierMetrics
     step_timeout: float
+    round_trip: float | None = None  # moving average of a step's send-to-answer time, late answers included
+
+    def _answered(self, sent_at: float) -> None:
+        seconds = time.perf_counter() - sent_at
+        self.metrics.drafter_rpc_latency.observe(seconds)
+        self.round_trip = seconds if self.round_trip is None else 0.8 * self.round_trip + 0.2 * seconds
 
     async def result(self, future: asyncio.Future, timeout: float | None = None) -> pb.DraftResult | None:
         """The step's DraftResult, or None after `timeout` (default step_timeout; a later answer is then
@@ -127,11 +133,13 @@ class LocalDrafterLink(_StepResults):
         self._in_flight += 1
         future = asyncio.get_running_loop().create_future()
         done = asyncio.get_running_loop().run_in_executor(self._worker, self._run_step, step)
-        done.add_done_callback(lambda task: self._answer(task, future))
+        sent_at = time.perf_counter()
+        done.add_done_callback(lambda task: self._answer(task, future, sent_at))
         return future
 
-    def _answer(self, task: asyncio.Future, future: asyncio.Future) -> None:
+    def _answer(self, task: asyncio.Future, future: asyncio.Future, sent_at: float) -> None:
         self._in_flight -= 1
+        self._answered(sent_at)
         if task.exception() is not None:
             log.error("co-located drafter step failed", extra={"error": repr(task.exception())})
             self.metrics.bad_payloads.labels(reason="link_error").inc()
@@ -284,7 +292,7 @@ class DrafterLink(_StepResults):
             if pending is None:
                 self.metrics.bad_payloads.labels(reason="unknown_request").inc()
                 continue
-            self.metrics.drafter_rpc_latency.observe(time.perf_counter() - pending.sent_at)
+            self._answered(pending.sent_at)
             if not pending.future.done():  # done: expired at its deadline (the answer is stale), or cancelled
                 pending.future.set_result(result)
             self._drop_answered_before(result.step_id)

@@ -58,6 +58,20 @@ from specwire.wire import PROTOCOL_VERSION, encode_row_blocks
 log = logging.getLogger("specwire.verifier.scheduler")
 
 
+def table_wait(verify: float, trip: float | None, since_sent: float, hit_rate: float, tau: float) -> float:
+    """Seconds a finished verification waits for its table. A hit is worth its (tau - 1) extra tokens, each
+    about a verification's time (a verification of a few tokens costs about a decode step), at the chance
+    hit_rate of the table holding the outcome: waiting longer than that loses what the table would save. A
+    table due within that budget (its moving-average round trip `trip`, `since_sent` of it gone) is waited
+    for, with a quarter of its round trip as margin; one due later is not waited for at all. Before any
+    answer came, half the budget."""
+    budget = verify * hit_rate * max(tau - 1.0, 0.0)
+    if trip is None:
+        return 0.5 * budget
+    due = trip - since_sent
+    return min(max(due, 0.0) + 0.25 * trip, budget) if due <= budget else 0.0
+
+
 def _resolve(future: asyncio.Future) -> None:
     if not future.done():
         future.set_result(None)
@@ -142,9 +156,9 @@ class SchedulerConfig:
     default_max_tokens: int = 128
     draft_top_k: int = 16  # sampled drafts are drawn from the top-K of the head's q (and shipped sparse)
     cache_branches: int = 8  # speculation-cache table entries per request; 0 = serial drafting
-    # How long a finished verification waits for a table still on its way; None = half the last
-    # verification's time (a hit saves a round of drafting, a long wait loses what it saves). Never longer
-    # than the link's step timeout.
+    # How long a finished verification waits for a table still on its way; None = decided per round by
+    # table_wait() from what a hit is worth and when the table should come. Never longer than the link's
+    # step timeout.
     table_wait: float | None = None
     forced_acceptance: tuple[float, ...] | None = None  # benchmarks only: acceptance rate per draft position
     # Benchmarks of synthetic targets only: this share of lookups is made to hit by replacing the settled
@@ -208,6 +222,10 @@ class Scheduler:
         self._frees: list[str] = []  # requests the drafter knows that left the batch
         self._in_flight: tuple[asyncio.Future, dict[str, Want]] | None = None  # serial mode's sent step
         self._verify_seconds = 0.0  # wall time of the last verification, launch to tokens
+        # Moving averages for table_wait: the share of on-time tables holding the outcome, and the tokens a
+        # verification of drafts settles per request (tau). Their first values give half a verification.
+        self._hit_rate, self._tau = 0.5, 2.0
+        self._table_sent_at = 0.0
         self._unfinished: deque[tuple] = deque()  # verified rounds whose tokens are not streamed yet
         self._forcing = random.Random(0)  # forced_hit_rate's draws
         self._feature_columns: torch.Tensor | slice | None = None
@@ -392,6 +410,7 @@ class Scheduler:
         await asyncio.wait((launched, verification), return_when=asyncio.FIRST_COMPLETED)
         self._finish_rounds()  # the last round's tokens go out while the GPU verifies this one
         if caching:  # the tables for this verification's outcomes are drafted while it runs
+            self._table_sent_at = time.perf_counter()
             sent = self._send_step(live, branches=True, checking=batch.num_drafts)
         step = await verification
         self._verify_seconds = time.perf_counter() - started
@@ -435,7 +454,10 @@ class Scheduler:
         if sent is None:
             return None
         future, wants = sent
-        wait = self.config.table_wait if self.config.table_wait is not None else 0.5 * self._verify_seconds
+        wait = self.config.table_wait
+        if wait is None:
+            wait = table_wait(self._verify_seconds, self.link.round_trip,
+                              time.perf_counter() - self._table_sent_at, self._hit_rate, self._tau)
         result = await self.link.result(future, timeout=min(wait, self.link.step_timeout))
         if result is None:
             return None
@@ -466,6 +488,7 @@ class Scheduler:
             self._count_bad(AlignedResult(invalid={r.id: str(e)}))
             entry = None
         self.metrics.cache["miss" if entry is None else "hit"].inc()
+        self._hit_rate = 0.95 * self._hit_rate + 0.05 * (entry is not None)
         if entry is not None:
             r.next_branch, r.next_drafts = entry
 
@@ -480,6 +503,8 @@ class Scheduler:
             accepted = [len(t) - 1 for t in tokens]
             self.metrics.observe_verification(num_drafts, accepted)
             for r, drafted, taken in zip(live, num_drafts, accepted, strict=True):
+                if drafted:
+                    self._tau = 0.95 * self._tau + 0.05 * (taken + 1)
                 r.drafts += drafted > 0
                 r.draft_tokens += drafted
                 r.accepted_tokens += taken

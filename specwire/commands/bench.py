@@ -54,7 +54,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--table-wait-ms",
         type=float,
         default=None,
-        help="how long a verification waits for its table (default: half a verification; a long wait "
+        help="how long a verification waits for its table (default: decided each round; a long wait "
         "measures how often the table holds the outcome, whatever the drafter's speed)",
     )
     from specwire.drafter.cli import add_min_confidence_argument

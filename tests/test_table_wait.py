@@ -1,0 +1,35 @@
+"""The verifier's wait for a speculation-cache table (scheduler.table_wait): a table is waited for only when
+it is due within what a hit is worth."""
+
+import pytest
+from specwire.verifier.scheduler import table_wait
+
+VERIFY = 0.006  # a verification, seconds
+
+
+def test_before_any_answer_the_wait_is_half_the_budget():
+    assert table_wait(VERIFY, None, 0.0, hit_rate=0.5, tau=2.0) == pytest.approx(0.5 * VERIFY * 0.5)
+
+
+def test_a_table_due_within_the_budget_is_waited_for_with_a_margin():
+    # budget 0.8 * 2 * 6 ms = 9.6 ms; due 1 ms after the verification ended (7 ms trip, 6 ms gone)
+    assert table_wait(VERIFY, 0.007, 0.006, hit_rate=0.8, tau=3.0) == pytest.approx(0.001 + 0.25 * 0.007)
+
+
+def test_the_wait_never_exceeds_what_a_hit_is_worth():
+    # due in 4 ms, within the 4.8 ms budget, but the margin would pass it
+    assert table_wait(VERIFY, 0.010, 0.006, hit_rate=0.8, tau=2.0) == pytest.approx(VERIFY * 0.8)
+
+
+def test_a_table_due_after_the_budget_is_not_waited_for():
+    # bs16 at T = 1 on two GPUs: a 21 ms round trip against a 6 ms verification
+    assert table_wait(VERIFY, 0.021, 0.006, hit_rate=0.8, tau=3.0) == 0.0
+
+
+def test_a_table_already_due_gets_only_the_margin():
+    assert table_wait(VERIFY, 0.004, 0.006, hit_rate=0.8, tau=3.0) == pytest.approx(0.25 * 0.004)
+
+
+def test_no_gain_no_wait():
+    assert table_wait(VERIFY, 0.004, 0.003, hit_rate=0.0, tau=3.0) == 0.0
+    assert table_wait(VERIFY, 0.004, 0.003, hit_rate=0.9, tau=1.0) == 0.0
