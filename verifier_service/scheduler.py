@@ -595,8 +595,12 @@ class Scheduler:
 
     @torch.inference_mode()
     def _verify_on_worker(self, live: list[Request], batch: BatchDrafts, on_launch=lambda: None) -> _Step:
-        """on_launch: called once the target's forward is queued on the device."""
+        """on_launch: called once the target's forward is queued on the device (on a CPU, where the forward
+        runs right here, before it, so that the drafter works during it)."""
         started = time.perf_counter()
+        queued = self.engine.device.type == "cuda"
+        if not queued:
+            on_launch()
         slots = [r.slot for r in live]
         starts = [len(r.tokens) - 1 for r in live]
         if any(batch.num_drafts):
@@ -606,7 +610,8 @@ class Scheduler:
         else:
             out = self.engine.decode(slots, [r.tokens[-1] for r in live], starts)
             width = 1
-        on_launch()
+        if queued:
+            on_launch()
         mode = "eager" if self.engine.graphs_for(len(live), width) is None else "cuda_graph"
         self.metrics.forward_steps_by_mode[mode].inc()
         # Every fed row's features start towards the host now, overlapping the sampler; the settled rows are
