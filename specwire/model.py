@@ -100,6 +100,16 @@ class Linear(nn.Linear):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
+def pack_for_cpu(module: nn.Module) -> None:
+    """Pack every fp32 CPU Linear of an inference-only module (see Linear); other devices and dtypes keep
+    nn.Linear's matmul."""
+    if not torch.backends.mkldnn.is_available():
+        return
+    for m in module.modules():
+        if isinstance(m, Linear) and m.weight.device.type == "cpu" and m.weight.dtype == torch.float32:
+            m.pack_for_cpu()
+
+
 def _linear(in_features: int, out_features: int, bias: bool, dtype: torch.dtype, device) -> Linear:
     # Left uninitialised: load_weights overwrites every parameter.
     return nn.utils.skip_init(Linear, in_features, out_features, bias=bias, dtype=dtype, device=device)
@@ -209,10 +219,7 @@ class LlamaModel(nn.Module):
             gate_up = [sd[p + "mlp.gate_proj.weight"], sd[p + "mlp.up_proj.weight"]]
             mlp.gate_up_proj.weight.copy_(torch.cat(gate_up))
             mlp.down_proj.weight.copy_(sd[p + "mlp.down_proj.weight"])
-        if self.device.type == "cpu" and self.dtype == torch.float32 and torch.backends.mkldnn.is_available():
-            for module in self.modules():
-                if isinstance(module, Linear):
-                    module.pack_for_cpu()
+        pack_for_cpu(self)
 
     # ------------------------------------------------------------------------------------------ forward
 
