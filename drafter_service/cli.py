@@ -75,6 +75,7 @@ def build_proposer(args: argparse.Namespace, config, target_weights: dict):
 
     from specwire.engine import device_and_dtype
     from specwire.errors import ModelLoadError
+    from specwire.model import pack_for_cpu
     from specwire.synthetic import RANDOM_HEAD
 
     head_path = Path(args.head) if args.head else DEFAULT_HEAD
@@ -89,6 +90,7 @@ def build_proposer(args: argparse.Namespace, config, target_weights: dict):
     else:
         head = load_eagle_head(head_path, config, shared, dtype=dtype, device=device,
                                max_positions=args.max_context)
+    pack_for_cpu(head)  # inference only: fp32 CPU linears through oneDNN (specwire.model.Linear)
     proposer = EagleProposer(head, max_requests=args.max_requests, max_context=args.max_context,
                              max_drafts=args.max_drafts, max_top_k=min(args.max_top_k, head.vocab_size),
                              cuda_graphs=not args.no_cuda_graphs, max_branches=args.max_branches,

@@ -30,7 +30,7 @@ from torch import nn
 
 from specwire.config import ModelConfig, default_aux_layers
 from specwire.errors import ModelLoadError
-from specwire.model import DecoderLayer, LlamaModel, rope_cos_sin
+from specwire.model import DecoderLayer, Linear, LlamaModel, rope_cos_sin
 from specwire.weights import check_tensors
 
 Arch = Literal["eagle1", "eagle3"]
@@ -96,22 +96,22 @@ class EagleHead(nn.Module):
         )
         self.layer = DecoderLayer(c, dtype, device)
         if config.arch == "eagle1":
-            self.fc = nn.Linear(2 * H, H, bias=config.fc_bias, dtype=dtype, device=device)
+            self.fc = Linear(2 * H, H, bias=config.fc_bias, dtype=dtype, device=device)
             self.layer.input_layernorm = None  # layer 0 of an EAGLE-1 head has no input norm
             lm_head = target_weights.get("lm_head.weight", target_weights["model.embed_tokens.weight"])
-            self.lm_head = nn.Linear(H, config.target_vocab_size, bias=False, dtype=dtype, device="meta")
+            self.lm_head = Linear(H, config.target_vocab_size, bias=False, dtype=dtype, device="meta")
             self.lm_head.weight = nn.Parameter(lm_head.to(device=device, dtype=dtype), requires_grad=False)
             self.register_buffer("draft_to_target", None)
         else:
-            self.fc = nn.Linear(config.feature_dim, H, bias=config.fc_bias, dtype=dtype, device=device)
+            self.fc = Linear(config.feature_dim, H, bias=config.fc_bias, dtype=dtype, device=device)
             # q/k/v read cat[embed, hidden]: 2H wide. Same Attention module, wider input projection.
             attn = self.layer.self_attn
-            self.layer.self_attn.qkv_proj = nn.Linear(
+            self.layer.self_attn.qkv_proj = Linear(
                 2 * H, attn.qkv_proj.out_features, bias=c.attention_bias, dtype=dtype, device=device
             )
             self.hidden_norm = nn.Parameter(torch.ones(H, dtype=dtype, device=device))
             self.norm = nn.Parameter(torch.ones(H, dtype=dtype, device=device))
-            self.lm_head = nn.Linear(H, config.draft_vocab_size, bias=False, dtype=dtype, device=device)
+            self.lm_head = Linear(H, config.draft_vocab_size, bias=False, dtype=dtype, device=device)
             self.register_buffer(
                 "draft_to_target", torch.arange(config.draft_vocab_size, device=device), persistent=False
             )

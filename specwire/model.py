@@ -80,9 +80,39 @@ def rope_cos_sin(config: ModelConfig, max_positions: int) -> torch.Tensor:
     return torch.cat([freqs.cos(), freqs.sin()], dim=-1)
 
 
-def _linear(in_features: int, out_features: int, bias: bool, dtype: torch.dtype, device) -> nn.Linear:
+class Linear(nn.Linear):
+    """nn.Linear whose weight can be reordered once into oneDNN's blocked layout for fp32 CPU inference.
+
+    On the 2-core AVX2 CPU, MKL's sgemm (2+ rows) repacks the weight on every call and its sgemv (1 row)
+    runs on one core: a SmolLM2-135M verify of 3 or 5 tokens cost 147 or 131 ms against 74 ms for a decode.
+    oneDNN with the weight reordered once takes 68, 70 and 61 ms (medians of 9 runs, 2026-11-23).
+    """
+
+    packed: torch.Tensor | None = None
+
+    def pack_for_cpu(self) -> None:
+        """Freeze the current weight for inference: later changes to .weight are not seen; no autograd."""
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is None:
+            return super().forward(x)
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+
+def pack_for_cpu(module: nn.Module) -> None:
+    """Pack every fp32 CPU Linear of an inference-only module (see Linear); other devices and dtypes keep
+    nn.Linear's matmul."""
+    if not torch.backends.mkldnn.is_available():
+        return
+    for m in module.modules():
+        if isinstance(m, Linear) and m.weight.device.type == "cpu" and m.weight.dtype == torch.float32:
+            m.pack_for_cpu()
+
+
+def _linear(in_features: int, out_features: int, bias: bool, dtype: torch.dtype, device) -> Linear:
     # Left uninitialised: load_weights overwrites every parameter.
-    return nn.utils.skip_init(nn.Linear, in_features, out_features, bias=bias, dtype=dtype, device=device)
+    return nn.utils.skip_init(Linear, in_features, out_features, bias=bias, dtype=dtype, device=device)
 
 
 def _norm_weight(config: ModelConfig, dtype: torch.dtype, device) -> nn.Parameter:
@@ -168,7 +198,8 @@ class LlamaModel(nn.Module):
 
     @torch.no_grad()
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
-        """Copy Hugging Face-named tensors in (any float dtype); fuses q/k/v and gate/up."""
+        """Copy Hugging Face-named tensors in (any float dtype); fuses q/k/v and gate/up; on an fp32 CPU
+        model, reorders the linear weights for oneDNN (Linear)."""
         self._check_state_dict(state_dict)
         sd = state_dict
         self.embed_tokens.weight.copy_(sd["model.embed_tokens.weight"])
@@ -188,6 +219,7 @@ class LlamaModel(nn.Module):
             gate_up = [sd[p + "mlp.gate_proj.weight"], sd[p + "mlp.up_proj.weight"]]
             mlp.gate_up_proj.weight.copy_(torch.cat(gate_up))
             mlp.down_proj.weight.copy_(sd[p + "mlp.down_proj.weight"])
+        pack_for_cpu(self)
 
     # ------------------------------------------------------------------------------------------ forward
 
