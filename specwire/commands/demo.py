@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 # On a CPU each draft step costs, so a chain stops where the head is unsure: 2026-11-23 on the 2-core machine,
-# speedup 0.96x at 0.3 against 0.88x at 0 (cache of 2 branches; README, "What `make demo` shows").
+# speedup 0.96x at 0.3 against 0.88x at 0 (then with a cache of 2 branches; README, "What `make demo` shows").
 CPU_MIN_CONFIDENCE = 0.3
 PROMPTS = (
     "Explain in two sentences why the sky is blue.",
@@ -36,8 +36,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--k", type=int, default=4, help="draft tokens per round (default 4)")
     parser.add_argument("--max-tokens", type=int, default=64, help="tokens per prompt (default 64)")
     parser.add_argument("--cache-branches", type=int, default=None,
-                        help="speculation-cache table entries per request (default: 8 on a GPU, 2 on a CPU, "
-                             "where drafting shares the cores with verification; 0 = draft each round)")
+                        help="speculation-cache table entries per request (default: 8 on a GPU; 0 on a CPU, "
+                             "where tables would draft for outcomes that do not happen on the cores the "
+                             "verification needs: draft each round)")
     parser.add_argument("--min-confidence", type=float, default=None,
                         help="the drafter's dynamic draft length (see `specwire drafter --help`; default: "
                              f"{CPU_MIN_CONFIDENCE} on a CPU, where each draft step costs; 0 = off on a GPU)")
@@ -170,7 +171,9 @@ def on_gpu(args: argparse.Namespace) -> bool:
 
 
 def default_branches(args: argparse.Namespace) -> int:
-    return 8 if on_gpu(args) else 2
+    # 2-core machine, 2026-11-23, after the oneDNN linears: serial drafting 1.18x and 1.29x, tables of 2
+    # branches 1.08x and 1.07x (README, "What `make demo` shows").
+    return 8 if on_gpu(args) else 0
 
 
 def default_min_confidence(args: argparse.Namespace) -> float:
