@@ -223,7 +223,8 @@ class Scheduler:
         self._in_flight: tuple[asyncio.Future, dict[str, Want]] | None = None  # serial mode's sent step
         self._verify_seconds = 0.0  # wall time of the last verification, launch to tokens
         # Moving averages for table_wait: the share of on-time tables holding the outcome, and the tokens a
-        # verification of drafts settles per request (tau). Their first values give half a verification.
+        # verification of drafts settles per request (tau). Their first values make that budget half a
+        # verification.
         self._hit_rate, self._tau = 0.5, 2.0
         self._table_sent_at = 0.0
         self._unfinished: deque[tuple] = deque()  # verified rounds whose tokens are not streamed yet
