@@ -98,8 +98,10 @@ class EagleProposer:
         uniform_outcomes: score every number of accepted drafts alike instead of by the head's q (for random
         heads in synthetic benchmarks, whose q would put every branch at 0 accepted).
         min_confidence: dynamic draft length (EAGLE-2's depth rule): a chain stops before the first draft
-        whose step has a top probability (softmax of the head's logits) below it, so k is a maximum; an
-        eager loop stops once every row has stopped. 0 keeps every chain at its k."""
+        after its first whose step has a top probability (softmax of the head's logits) below it, so k is a
+        maximum; an eager loop stops once every row has stopped. The first draft is always kept: the
+        verifier has paid for the round trip by then, and verifying one draft costs about a decode step.
+        0 keeps every chain at its k."""
         if max_drafts < 1:
             raise ProposerError(f"max_drafts must be >= 1, got {max_drafts}")
         if not 1 <= max_top_k <= head.vocab_size:
@@ -337,11 +339,11 @@ class EagleProposer:
             position = position + 1
 
     def _count_confident(self, logits: torch.Tensor, confident: torch.Tensor, step: int, eager: bool) -> bool:
-        """Dynamic depth: confident[b] counts the drafts of row b before its first step whose top probability
-        is below min_confidence. Returns False when an eager loop can stop (no row is still confident; a
-        captured graph never asks, as that would wait for the device)."""
+        """Dynamic depth: confident[b] counts the drafts of row b before its first step after the first whose
+        top probability is below min_confidence. Returns False when an eager loop can stop (no row is still
+        confident; a captured graph never asks, as that would wait for the device)."""
         top = (logits.amax(-1) - logits.logsumexp(-1)).exp()
-        still = (confident == step) & (top >= self.min_confidence)
+        still = (confident == step) & ((top >= self.min_confidence) | (step == 0))
         confident.add_(still.long())
         return not eager or bool(still.any())
 
