@@ -49,8 +49,8 @@ def add_min_confidence_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--min-confidence", type=float,
                         default=grpc_common.env_default("SPECWIRE_MIN_CONFIDENCE", 0.0),
                         help="dynamic draft length (EAGLE-2's depth rule): stop a chain before the first "
-                             "draft whose step's top probability is below this; k is then a maximum "
-                             "(env SPECWIRE_MIN_CONFIDENCE; default 0 = off)")
+                             "draft after its first whose step's top probability is below this; k is then a "
+                             "maximum (env SPECWIRE_MIN_CONFIDENCE; default 0 = off)")
 
 
 def load_proposer(args: argparse.Namespace):
