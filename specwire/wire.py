@@ -28,7 +28,6 @@ _TORCH_DTYPE = {
 _WIRE_DTYPE = {v: k for k, v in _TORCH_DTYPE.items()}
 # bfloat16 has no numpy twin, so its bytes travel through a same-width integer view.
 _BYTE_VIEW = {torch.bfloat16: torch.int16}
-_NUMPY_DTYPES = frozenset(_WIRE_DTYPE) - frozenset(_BYTE_VIEW)
 
 # The wire is little-endian and tensors are copied as raw memory, which is only right on a little-endian host.
 if sys.byteorder != "little":
@@ -41,10 +40,6 @@ class WireError(ValueError):
 
 def encode_tensor(tensor: torch.Tensor) -> pb.Tensor:
     """Copies `tensor` (any device, any strides) into a Tensor message."""
-    if tensor.device.type == "cpu" and tensor.dtype in _NUMPY_DTYPES:
-        # The common small CPU tensor (a branch's q): numpy copies any strides to bytes in one call.
-        return pb.Tensor(data=tensor.detach().numpy().tobytes(), dtype=_WIRE_DTYPE[tensor.dtype],
-                         shape=tensor.shape)
     host, data = _host_bytes(tensor)
     return pb.Tensor(data=data, dtype=_WIRE_DTYPE[host.dtype], shape=list(host.shape))
 
@@ -66,11 +61,12 @@ def encode_row_blocks(tensor: torch.Tensor, counts: Sequence[int]) -> list[pb.Te
 
 
 def _host_bytes(tensor: torch.Tensor) -> tuple[torch.Tensor, bytes]:
-    """The tensor as a contiguous CPU tensor, and its raw bytes."""
+    """The tensor on the CPU, and its raw bytes in row-major order (numpy copies any strides to bytes in one
+    call, so a strided view, such as a branch's q, needs no contiguous copy first)."""
     if tensor.dtype not in _WIRE_DTYPE:
         raise WireError(f"cannot encode dtype {tensor.dtype}; supported: {sorted(map(str, _WIRE_DTYPE))}")
-    host = tensor.detach().to("cpu").contiguous()
-    return host, host.reshape(-1).view(_BYTE_VIEW.get(host.dtype, host.dtype)).numpy().tobytes()
+    host = tensor.detach().cpu()
+    return host, host.view(_BYTE_VIEW.get(host.dtype, host.dtype)).numpy().tobytes()
 
 
 def decode_tensor(
