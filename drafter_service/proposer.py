@@ -31,6 +31,10 @@ class ProposerError(ValueError):
     """Bad input to the proposer (unknown request, wrong shapes, out of capacity)."""
 
 
+# draft_branches' `verifying` entry for "the chain of the request's last propose(keep_chain=True)".
+VERIFYING_CHAIN = -1
+
+
 class Branch(NamedTuple):
     """One entry of a speculation-cache table: drafts for the outcome "the verification in flight accepts
     `accepted` drafts and the target adds `bonus`" (target ids; q as in Proposal, rows of this branch)."""
@@ -65,6 +69,7 @@ class _Request:
     pending_features: list[torch.Tensor] = field(default_factory=list)
     branches: list[_Branch] = field(default_factory=list)  # the last table drafted for this request
     verifying: list[int] = field(default_factory=list)  # drafts (target ids) the verifier checks now
+    chain: list[int] | None = None  # the drafts of a propose(keep_chain=True), while nothing settled since
 
     @property
     def num_pending(self) -> int:
@@ -187,6 +192,7 @@ class EagleProposer:
         if request.num_cached + request.num_pending + len(tokens) > self.max_context:
             raise ProposerError(f"request {request_id!r} exceeds the drafter context of {self.max_context}")
         request.pending_tokens += tokens
+        request.chain = None  # tokens settled after it: a table can no longer be asked for its check
         # Kept on the host until propose(), which sends every request's pending features over in one copy.
         request.pending_features.append(features.to("cpu", self.head.dtype))
 
@@ -200,9 +206,16 @@ class EagleProposer:
         num_drafts: list[int],
         temperature: list[float],
         top_k: list[int],
+        keep_chain: bool = False,
     ) -> Proposal:
         """Draft num_drafts[b] tokens (0..max_drafts) for each request; temperature 0 drafts greedily, else
-        samples from softmax(logits / T) truncated to the top_k[b] logits (0 = the full vocabulary)."""
+        samples from softmax(logits / T) truncated to the top_k[b] logits (0 = the full vocabulary).
+
+        A request's last table, if any, is dropped: the verifier asks for drafts because it missed.
+        keep_chain (a drafter with branch slots): a table will be asked for while the verifier checks these
+        drafts (draft_branches with VERIFYING_CHAIN). The head's outputs after each draft stay in the slot as
+        a branch leaves them, and the last settled pair stays pending, so that table's first step re-feeds
+        it (the same K/V) and reads the output that predicts the first draft."""
         B = len(request_ids)
         if not len(num_drafts) == len(temperature) == len(top_k) == B:
             raise ProposerError(
@@ -220,8 +233,12 @@ class EagleProposer:
                 raise ProposerError(f"top_k {tk} for {rid!r} out of range [0, {self.max_top_k}]")
             if k > 0 and req.num_pending == 0:
                 raise ProposerError(f"request {rid!r} has no new tokens since its last proposal")
+        if keep_chain and not self.max_branches:
+            raise ProposerError("keep_chain needs branch slots (this drafter has max_branches = 0)")
         if B == 0:
             return self._empty_proposal()
+        for r in requests:
+            self._take_branch(r, None)
 
         self._prefill_overflow(requests)
         # Drafts write positions num_cached + pending .. + k - 2: clip k at the end of the context.
@@ -235,14 +252,23 @@ class EagleProposer:
         mode = "greedy" if not sampled else "top_k" if all(sampled) else "full"
         if (size, mode) in self.graphs:
             self.graphs[size, mode].replay()
-        else:
-            self._draft_loop(size, mode, steps=max(ks))  # eager: no step past the longest chain
+        else:  # eager: no step past the longest chain
+            self._draft_loop(size, mode, steps=max(ks), keep_chain=keep_chain)
         for r in requests:
+            last = (r.pending_tokens[-1:], [r.pending_features[-1][-1:]] if r.num_pending else [])
             r.num_cached += r.num_pending
             r.pending_tokens, r.pending_features = [], []
+            if keep_chain:
+                r.num_cached -= len(last[0])
+                r.pending_tokens, r.pending_features = last
         if self.min_confidence:
             ks = [min(k, n) for k, n in zip(ks, self._confident[:B].tolist(), strict=True)]
-        return self._proposal(ks, temperature, top_k)
+        proposal = self._proposal(ks, temperature, top_k)
+        if keep_chain:
+            ids, first = proposal.token_ids.tolist(), 0
+            for r, k in zip(requests, ks, strict=True):
+                r.chain, first = ids[first:first + k], first + k
+        return proposal
 
     def _prefill_overflow(self, requests: list[_Request]) -> None:
         """Eagerly commit pending pairs beyond the graph's first-step width (new prompts), keeping one."""
@@ -300,12 +326,16 @@ class EagleProposer:
             index = torch.tensor(flat_rows).to(self.device, non_blocking=True)
             self._features.view(-1, self._features.shape[-1]).index_copy_(0, index, feats)
 
-    def _draft_loop(self, size: int, mode: str, steps: int | None = None) -> None:
+    def _draft_loop(self, size: int, mode: str, steps: int | None = None, keep_chain: bool | None = None
+                    ) -> None:
         """The graph body: first step over the pending pairs, then max_drafts - 1 single-token steps.
 
         Per-step metadata comes from the per-row block: step j feeds position start + pending + j - 1, one
-        token while j < k (else 0 tokens: nothing is written to a live slot).
+        token while j < k (else 0 tokens: nothing is written to a live slot). keep_chain (None: whenever
+        there are branch slots, as graphs are captured) also feeds the last draft and keeps, per slot, each
+        draft's draft-vocabulary id and the head's output after it, which a table for its check scores.
         """
+        keep = bool(self.max_branches) if keep_chain is None else keep_chain
         head, meta = self.head, self._meta[:, :size]
         slots, start, pending, drafts, top_k = (meta[i] for i in range(5))
         kc, vc = self.cache.k[0], self.cache.v[0]
@@ -330,12 +360,16 @@ class EagleProposer:
                 self._top_q[:size, j].copy_(sample.top_q)
             if sample.full_q is not None:
                 self._full_q[:size, j].copy_(sample.full_q)
-            if j + 1 == steps:
+            if keep:
+                self._slot_draft_ids[:, j].index_copy_(0, slots.long(), sample.tokens)
+            elif j + 1 == steps:
                 break
-            live = (drafts > j + 1).int()
-            hidden = head(tokens[:, None], hidden[:, None], position, live, slots, kc, vc, own_features=True)[
-                :, 0
-            ]
+            # Draft j + 1 is fed if a later draft needs it or, keeping the chain, if it is drafted and fits.
+            live = (drafts > j) & (position < self.max_context) if keep else drafts > j + 1
+            hidden = head(tokens[:, None], hidden[:, None], position, live.int(), slots, kc, vc,
+                          own_features=True)[:, 0]
+            if keep:
+                self._slot_hidden[:, j].index_copy_(0, slots.long(), hidden)
             position = position + 1
 
     def _count_confident(self, logits: torch.Tensor, confident: torch.Tensor, step: int, eager: bool) -> bool:
@@ -396,8 +430,14 @@ class EagleProposer:
 
     @staticmethod
     def _check_branch(request_id: str, request: _Request, index: int | None) -> None:
-        """Branch `index` of the request's last table exists and its outcome is what settled."""
+        """Branch `index` of the request's last table exists and its outcome is what settled; or the chain
+        (VERIFYING_CHAIN) was kept and nothing settled since."""
         if index is None:
+            return
+        if index == VERIFYING_CHAIN:
+            if request.chain is None:
+                raise ProposerError(f"request {request_id!r}: no chain to verify (none was proposed with "
+                                    f"keep_chain, or tokens settled after it)")
             return
         if not 0 <= index < len(request.branches):
             raise ProposerError(f"request {request_id!r}: no branch {index} in its last table "
@@ -409,11 +449,13 @@ class EagleProposer:
                                 f"match branch {index} ({settled})")
 
     def _take_branch(self, request: _Request, index: int | None) -> None:
-        """The verifier now checks branch `index` of the request's last table (None: no drafts). Its slot
-        becomes the request's: the prefix there is the main slot's, and its drafts' K/V are already in."""
-        if index is None:
+        """The verifier now checks branch `index` of the request's last table (None: no drafts;
+        VERIFYING_CHAIN: the kept chain, whose K/V are in the request's own slot). A branch's slot becomes the
+        request's: the prefix there is the main slot's, and its drafts' K/V are already in."""
+        if index is None or index == VERIFYING_CHAIN:
             self._release_branches(request)
-            request.verifying = []
+            request.verifying = request.chain if index == VERIFYING_CHAIN else []
+            request.chain = None
             return
         branch = request.branches[index]
         self._release_branches(request, keep=branch)
@@ -434,10 +476,11 @@ class EagleProposer:
         """A speculation-cache table per request, drafted while the verifier checks its drafts.
 
         verifying[b]: which branch of request b's previous table the verifier checks now (None: it checks
-        no drafts). The request's pending tokens must be what settled the round before (for a branch: its
-        accepted drafts and its bonus). First those are committed with the target's features (the K/V built
-        from the head's own features are overwritten), then the outcomes of the check in flight, (a accepted,
-        bonus c), are scored by the head: P(a) * q(c) with P(a) the product of q over the accepted drafts
+        no drafts; VERIFYING_CHAIN: the drafts of its last propose(keep_chain=True)). The request's pending
+        tokens must be what settled the round before (for a branch: its accepted drafts and its bonus; for
+        the chain: the last settled token again, left pending by propose). First those are committed with
+        the target's features (the K/V built from the head's own features are overwritten), then the
+        outcomes of the check in flight, (a accepted, bonus c), are scored by the head: P(a) * q(c) with P(a) the product of q over the accepted drafts
         and c never the rejected draft. The num_branches[b] likeliest get num_drafts[b] drafts each, in
         slots of their own, sampled as propose() samples (greedy, or top-K with the exact q shipped).
         """
@@ -458,10 +501,10 @@ class EagleProposer:
             if not (t >= 0 and 0 <= tk <= self.max_top_k and (t == 0 or tk > 0)):
                 raise ProposerError(f"request {rid!r}: branch drafts are greedy or top-K sampled "
                                     f"(temperature {t}, top_k {tk}; top_k in [1, {self.max_top_k}])")
-            if req.num_pending == 0:
-                raise ProposerError(f"request {rid!r} has no settled tokens since its last table")
         for rid, req, index in zip(request_ids, requests, verifying, strict=True):
             self._check_branch(rid, req, index)
+            if req.num_pending == 0:
+                raise ProposerError(f"request {rid!r} has no settled tokens since its last table")
         for req, index in zip(requests, verifying, strict=True):  # only once all are known to be good
             self._take_branch(req, index)
         if B == 0:

@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import torch
-from specwire.drafter.proposer import EagleProposer, Proposal, ProposerError
+from specwire.drafter.proposer import VERIFYING_CHAIN, EagleProposer, Proposal, ProposerError
 
 from specwire.config import ModelConfig
 from specwire.metrics import DrafterMetrics
@@ -90,7 +90,7 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
             head=head_name, feature_dim=head.feature_dim,
             aux_layers=list(head.aux_layers) if head.arch == "eagle3" else [],
             max_num_drafts=proposer.max_drafts, max_requests=proposer.max_requests,
-            max_branches=proposer.max_branches,
+            max_branches=proposer.max_branches, chains=proposer.max_branches > 0,
             feature_dtype=_FEATURE_DTYPES[proposer.head.dtype],
         )
         self.proposer = proposer
@@ -250,7 +250,7 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
               for w, key in zip(wants, keys, strict=True)]
         temperature = [max(w.temperature, 0.0) for w in wants]
         top_k = [min(w.top_k, p.max_top_k) if t > 0 else 0 for w, t in zip(wants, temperature, strict=True)]
-        proposal = p.propose(keys, ks, temperature, top_k)
+        proposal = p.propose(keys, ks, temperature, top_k, keep_chain=any(w.keep_chain for w in wants))
         self.metrics.forward_steps_by_mode["cuda_graph" if p.graphs else "eager"].inc()
         self._split(wants, proposal, temperature, top_k, result)
         self.metrics.draft_tokens.inc(int(proposal.num_drafts.sum()))  # k clipped at the drafter's context
@@ -262,7 +262,8 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
         temperature = [max(w.temperature, 0.0) for w in wants]
         tables = p.draft_branches(
             keys,
-            [w.verifying_branch if w.HasField("verifying_branch") else None for w in wants],
+            [VERIFYING_CHAIN if w.verifying_chain else w.verifying_branch if w.HasField("verifying_branch")
+             else None for w in wants],
             [min(w.num_branches, p.max_branches) for w in wants],
             [min(w.num_drafts, p.max_drafts) for w in wants],
             temperature,

@@ -1,12 +1,13 @@
 """Speculation-cache tables (EagleProposer.draft_branches): branches scored and drafted against a from-scratch
-reference, the committed K/V rewritten with the target's features after a hit, exact q for sampled branches,
-refused mismatches, slots returned; (GPU) CUDA-graph replay against eager."""
+reference, the committed K/V rewritten with the target's features after a hit, tables for the check of a
+chain drafted just in time after a miss, exact q for sampled branches, refused mismatches, slots returned;
+(GPU) CUDA-graph replay against eager."""
 
 import pytest
 import torch
-from specwire.drafter.proposer import ProposerError
+from specwire.drafter.proposer import VERIFYING_CHAIN, ProposerError
 from test_drafter_head import VOCAB
-from test_drafter_proposer import Setup
+from test_drafter_proposer import Setup, greedy_chain, split
 
 K, N = 3, 5
 
@@ -62,6 +63,59 @@ def test_a_hit_commits_target_features_and_scores_every_outcome_of_the_check_in_
     for b in table2:
         if b.accepted == 0:
             assert b.token_ids == greedy_branch(s, "a", [], b.bonus, K)
+
+
+def to_draft_vocab(s: Setup, target_ids: list[int]) -> list[int]:
+    draft_to_target = s.to_target(torch.arange(s.head.vocab_size)).tolist()
+    return [draft_to_target.index(t) for t in target_ids]
+
+
+@pytest.mark.parametrize("arch", ["eagle1", "eagle3"])
+def test_a_table_for_the_check_of_a_chain_drafted_after_a_miss(tmp_path, arch):
+    """After a miss the verifier asks for drafts just in time (propose with keep_chain) and, while it checks
+    them, for a table of that check's outcomes: scored and drafted exactly as for a branch's check."""
+    s = Setup(tmp_path, arch, max_branches=N)
+    s.add("a", 6)
+    first_table(s, "a")
+    s.update("a", 2)  # an outcome the table did not hold: its branches are dropped
+    free = len(s.proposer._free_slots)
+    chain = split(s.proposer.propose(["a"], [K], [0.0], [0], keep_chain=True))[0]
+    assert chain == greedy_chain(s, "a", K)  # from the target's features, as serial drafting drafts
+    assert len(s.proposer._free_slots) == free + N
+    table = s.proposer.draft_branches(["a"], [VERIFYING_CHAIN], [N], [K], [0.0], [0])[0]
+
+    q = torch.softmax(s.chain_logits("a", chain).double(), -1)  # [K + 1, draft vocab]: after 0..K drafts
+    drafted = to_draft_vocab(s, chain)
+    reach = torch.cat([torch.ones(1), q[torch.arange(K), drafted].cumprod(0)])
+    bonus_q = q.clone()
+    bonus_q[torch.arange(K), drafted] = 0.0  # the bonus after a rejected draft is not that draft
+    top = (reach[:, None] * bonus_q).flatten().topk(N).indices
+    want = {(int(i) // q.shape[1], int(s.to_target(i % q.shape[1]))) for i in top}
+    assert {(b.accepted, b.bonus) for b in table} == want
+    for b in table:  # the branch's prefix is the chain's accepted drafts, fed with the head's own outputs
+        assert b.token_ids == greedy_branch(s, "a", chain[:b.accepted], b.bonus, K)
+
+    # A hit on that table is checked as any branch is.
+    hit = max(table, key=lambda b: b.accepted)
+    feature = torch.randn(hit.accepted + 1, s.head.config.feature_dim, generator=s.g)
+    s.proposer.update("a", chain[:hit.accepted] + [hit.bonus], feature)
+    s.proposer.draft_branches(["a"], [hit.index], [N], [K], [0.0], [0])
+
+
+def test_a_chain_is_verifiable_only_until_tokens_settle_after_it(tmp_path):
+    s = Setup(tmp_path, "eagle3", max_branches=N)
+    s.add("a", 6)
+    s.proposer.propose(["a"], [K], [0.0], [0])
+    with pytest.raises(ProposerError, match="no chain to verify"):  # not kept
+        s.proposer.draft_branches(["a"], [VERIFYING_CHAIN], [N], [K], [0.0], [0])
+    s.update("a", 2)
+    s.proposer.propose(["a"], [K], [0.0], [0], keep_chain=True)
+    s.update("a", 3)  # the verifier went on without a table: the next drafts come from these tokens
+    with pytest.raises(ProposerError, match="no chain to verify"):
+        s.proposer.draft_branches(["a"], [VERIFYING_CHAIN], [N], [K], [0.0], [0])
+    assert split(s.proposer.propose(["a"], [K], [0.0], [0]))[0] == greedy_chain(s, "a", K)
+    with pytest.raises(ProposerError, match="branch slots"):
+        Setup(tmp_path, "eagle3").proposer.propose([], [], [], [], keep_chain=True)
 
 
 def test_uniform_outcomes_deal_branches_to_every_number_of_accepted_drafts(tmp_path):
@@ -142,7 +196,12 @@ def test_branch_graph_replay_matches_eager(tmp_path, temperature):
             s.proposer.update(rid, [table[0].bonus], feature)
         second = s.proposer.draft_branches(list("abc"), [0, 0, 0], [N, 3, N], [K, 2, K], [temperature] * 3,
                                            [tk] * 3)
-        tables.append([[(b.accepted, b.bonus, b.token_ids) for b in t] for t in first + second])
+        # a misses: drafts just in time (the graph keeps the chain), then a table for their check
+        s.proposer.update("a", [1], torch.randn(1, s.head.config.feature_dim, generator=s.g).cuda())
+        chain = split(s.proposer.propose(["a"], [K], [temperature], [tk], keep_chain=True))[0]
+        third = s.proposer.draft_branches(["a"], [VERIFYING_CHAIN], [N], [K], [temperature], [tk])
+        tables.append([[(b.accepted, b.bonus, b.token_ids) for b in t] for t in first + second + third]
+                      + [chain])
     if temperature == 0:
         assert tables[0] == tables[1]
     else:  # sampled drafts differ by the random stream, so only the first tables' outcomes must agree

@@ -60,7 +60,7 @@ class HandshakeRequest(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., feature_dim: _Optional[int] = ..., num_layers: _Optional[int] = ...) -> None: ...
 
 class DrafterInfo(_message.Message):
-    __slots__ = ("head", "feature_dim", "aux_layers", "max_num_drafts", "max_requests", "feature_dtype", "max_branches")
+    __slots__ = ("head", "feature_dim", "aux_layers", "max_num_drafts", "max_requests", "feature_dtype", "max_branches", "chains")
     HEAD_FIELD_NUMBER: _ClassVar[int]
     FEATURE_DIM_FIELD_NUMBER: _ClassVar[int]
     AUX_LAYERS_FIELD_NUMBER: _ClassVar[int]
@@ -68,6 +68,7 @@ class DrafterInfo(_message.Message):
     MAX_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     FEATURE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     MAX_BRANCHES_FIELD_NUMBER: _ClassVar[int]
+    CHAINS_FIELD_NUMBER: _ClassVar[int]
     head: str
     feature_dim: int
     aux_layers: _containers.RepeatedScalarFieldContainer[int]
@@ -75,7 +76,8 @@ class DrafterInfo(_message.Message):
     max_requests: int
     feature_dtype: DType
     max_branches: int
-    def __init__(self, head: _Optional[str] = ..., feature_dim: _Optional[int] = ..., aux_layers: _Optional[_Iterable[int]] = ..., max_num_drafts: _Optional[int] = ..., max_requests: _Optional[int] = ..., feature_dtype: _Optional[_Union[DType, str]] = ..., max_branches: _Optional[int] = ...) -> None: ...
+    chains: bool
+    def __init__(self, head: _Optional[str] = ..., feature_dim: _Optional[int] = ..., aux_layers: _Optional[_Iterable[int]] = ..., max_num_drafts: _Optional[int] = ..., max_requests: _Optional[int] = ..., feature_dtype: _Optional[_Union[DType, str]] = ..., max_branches: _Optional[int] = ..., chains: _Optional[bool] = ...) -> None: ...
 
 class HandshakeResponse(_message.Message):
     __slots__ = ("ok", "message", "drafter", "protocol_version")
@@ -124,7 +126,7 @@ class RequestUpdate(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., new_request: _Optional[_Union[NewRequest, _Mapping]] = ..., accepted: _Optional[_Union[Accepted, _Mapping]] = ..., free: _Optional[_Union[Free, _Mapping]] = ...) -> None: ...
 
 class DraftWant(_message.Message):
-    __slots__ = ("request_id", "num_drafts", "temperature", "top_k", "seed", "num_branches", "verifying_branch")
+    __slots__ = ("request_id", "num_drafts", "temperature", "top_k", "seed", "num_branches", "verifying_branch", "keep_chain", "verifying_chain")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFTS_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
@@ -132,6 +134,8 @@ class DraftWant(_message.Message):
     SEED_FIELD_NUMBER: _ClassVar[int]
     NUM_BRANCHES_FIELD_NUMBER: _ClassVar[int]
     VERIFYING_BRANCH_FIELD_NUMBER: _ClassVar[int]
+    KEEP_CHAIN_FIELD_NUMBER: _ClassVar[int]
+    VERIFYING_CHAIN_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     num_drafts: int
     temperature: float
@@ -139,7 +143,9 @@ class DraftWant(_message.Message):
     seed: int
     num_branches: int
     verifying_branch: int
-    def __init__(self, request_id: _Optional[str] = ..., num_drafts: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., num_branches: _Optional[int] = ..., verifying_branch: _Optional[int] = ...) -> None: ...
+    keep_chain: bool
+    verifying_chain: bool
+    def __init__(self, request_id: _Optional[str] = ..., num_drafts: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., num_branches: _Optional[int] = ..., verifying_branch: _Optional[int] = ..., keep_chain: _Optional[bool] = ..., verifying_chain: _Optional[bool] = ...) -> None: ...
 
 class DraftStep(_message.Message):
     __slots__ = ("step_id", "updates", "wants")
