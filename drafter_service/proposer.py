@@ -480,9 +480,10 @@ class EagleProposer:
         tokens must be what settled the round before (for a branch: its accepted drafts and its bonus; for
         the chain: the last settled token again, left pending by propose). First those are committed with
         the target's features (the K/V built from the head's own features are overwritten), then the
-        outcomes of the check in flight, (a accepted, bonus c), are scored by the head: P(a) * q(c) with P(a) the product of q over the accepted drafts
-        and c never the rejected draft. The num_branches[b] likeliest get num_drafts[b] drafts each, in
-        slots of their own, sampled as propose() samples (greedy, or top-K with the exact q shipped).
+        outcomes of the check in flight, (a accepted, bonus c), are scored by the head: P(a) * q(c) with
+        P(a) the product of q over the accepted drafts and c never the rejected draft. The num_branches[b]
+        likeliest get num_drafts[b] drafts each, in slots of their own, sampled as propose() samples
+        (greedy, or top-K with the exact q shipped).
         """
         B = len(request_ids)
         if not self.max_branches:
@@ -492,8 +493,7 @@ class EagleProposer:
         if len(set(request_ids)) != B:
             raise ProposerError("request_ids has duplicates")
         requests = [self._get(r) for r in request_ids]
-        for rid, req, n, k, t, tk in zip(request_ids, requests, num_branches, num_drafts, temperature, top_k,
-                                          strict=True):
+        for rid, n, k, t, tk in zip(request_ids, num_branches, num_drafts, temperature, top_k, strict=True):
             if not 0 <= n <= self.max_branches:
                 raise ProposerError(f"num_branches {n} for {rid!r} out of range [0, {self.max_branches}]")
             if not 0 <= k <= self.max_drafts:

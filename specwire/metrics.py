@@ -63,6 +63,7 @@ FALLBACK_REASONS = ("down", "timeout", "bad_payload")
 FINISH_REASONS = ("stop", "length", "abort", "error")
 STEP_MODES = ("cuda_graph", "eager")
 LOOKUP_RESULTS = ("hit", "miss", "late", "unasked")
+JUST_IN_TIME_RESULTS = ("drafted", "undrafted", "late", "declined")
 BAD_PAYLOAD_REASONS = ("bad_tensor", "unknown_request", "probs_mismatch", "link_error")
 DIRECTIONS = ("sent", "received")
 # Requests refused before they were queued, by the google.rpc code of their in-band Error.
@@ -173,6 +174,14 @@ class VerifierMetrics(_ServiceMetrics):
             ["result"],
         )
         self.cache = {r: self.spec_cache_lookups.labels(result=r) for r in LOOKUP_RESULTS}
+        self.spec_cache_just_in_time = c(
+            "spec_cache_just_in_time",
+            "Requests a round found without table drafts, by what the drafts made just in time for them came "
+            "to: drafted, undrafted (the drafter had none), late (not within the wait), declined (waiting "
+            "would not pay, or the drafter link was busy).",
+            ["result"],
+        )
+        self.just_in_time = {r: self.spec_cache_just_in_time.labels(result=r) for r in JUST_IN_TIME_RESULTS}
         self.requests_rejected = c(
             "requests_rejected", "Requests refused before they were queued, by error code.", ["code"]
         )

@@ -31,14 +31,16 @@ def test_round_split_cache_and_bytes_from_two_scrapes():
     after = {"verifier": {f"{VERIFY}_count": 110, f"{VERIFY}_sum": 0.21, f"{TRIP}_count": 110,
                           f"{TRIP}_sum": 0.16, 'specwire_drafter_rpc_bytes_total{direction="sent"}': 5000.0,
                           'specwire_spec_cache_lookups_total{result="hit"}': 75.0,
-                          'specwire_spec_cache_lookups_total{result="miss"}': 25.0},
+                          'specwire_spec_cache_lookups_total{result="miss"}': 25.0,
+                          'specwire_spec_cache_just_in_time_total{result="drafted"}': 20.0},
              "drafter": {f"{draft}_count": 100, f"{draft}_sum": 0.05}}
     delta = Delta(before, after)
     split = round_split(delta, wall=0.5)  # 100 steps in 0.5 s
     assert split == pytest.approx({"steps": 100, "wall": 5.0, "verify": 2.0, "drafter_round_trip": 1.5,
                                    "draft": 0.5, "transport": 1.0, "host": 1.5, "not_verify": 3.0})
-    assert cache_hit_rate(delta) == pytest.approx({"hit": 75, "miss": 25, "late": None, "unasked": None,
-                                                   "hit_rate": 0.75})
+    cache = cache_hit_rate(delta)
+    assert cache.pop("just_in_time") == {"drafted": 20.0, "undrafted": None, "late": None, "declined": None}
+    assert cache == pytest.approx({"hit": 75, "miss": 25, "late": None, "unasked": None, "hit_rate": 0.75})
     assert cache_hit_rate(Delta(before, before)) is None
     assert wire_bytes_per_step(delta) == {"sent": 50.0, "received": None}
 

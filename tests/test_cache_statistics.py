@@ -71,7 +71,8 @@ async def sample_many(engine: TargetEngine, link: LocalDrafterLink, metrics: Ver
                       ) -> list[list[int]]:
     scheduler = Scheduler(engine, load_tokenizer(default_model_path()), metrics,
                           SchedulerConfig(num_speculative_tokens=K, max_waiting=REQUESTS, draft_top_k=6,
-                                          cache_branches=BRANCHES, table_wait=5.0), link)
+                                          cache_branches=BRANCHES, table_wait=5.0,
+                                          just_in_time_wait=5.0), link)
     scheduler.start()
     params = SamplingParams(temperature=1.0, max_tokens=6, ignore_eos=True)
     try:
@@ -108,6 +109,7 @@ def test_sampled_tokens_after_table_lookups_follow_the_target():
 
     hits, misses = (metrics.cache[r]._value.get() for r in ("hit", "miss"))
     assert hits > 1000 and misses > 100, (hits, misses)
+    assert metrics.just_in_time["drafted"]._value.get() > 100
     assert metrics.num_draft_tokens._value.get() > metrics.num_accepted_tokens._value.get() > 0
     for position in (2, 3, 4, 5):  # tokens from rounds that followed a lookup
         prefixes = Counter(tuple(o[:position]) for o in outputs)

@@ -138,7 +138,8 @@ def colocated(checkpoint, tokenizer, metrics: VerifierMetrics) -> LocalDrafterLi
 class Verifier:
     def __init__(self, loop: Loop, checkpoint, tokenizer, drafter_port: int | str | None, max_slots: int = 16,
                  cache_branches: int = BRANCHES, step_timeout: float = 5.0, device: str = "cpu",
-                 table_wait: float | None = 5.0, max_waiting: int = 64):
+                 table_wait: float | None = 5.0, just_in_time_wait: float | None = 5.0,
+                 max_waiting: int = 64):
         self.loop, self.metrics = loop, VerifierMetrics()
         self.engine = TargetEngine(checkpoint=checkpoint, device=device, dtype=torch.float32,
                                    max_slots=max_slots, max_context=MAX_CONTEXT)
@@ -147,7 +148,7 @@ class Verifier:
             step_timeout=step_timeout,
             scheduler=SchedulerConfig(num_speculative_tokens=K, max_waiting=max_waiting,
                                       default_max_tokens=16, cache_branches=cache_branches,
-                                      table_wait=table_wait),
+                                      table_wait=table_wait, just_in_time_wait=just_in_time_wait),
             model_name="tiny",
         )
         link = colocated(checkpoint, tokenizer, self.metrics) if drafter_port == "colocated" else None
@@ -250,6 +251,7 @@ def test_greedy_through_both_services_equals_target_only(world):
     v = world.verifier
     accepted_before = v.counter(v.metrics.num_accepted_tokens)
     steps_before = v.metrics.registry.get_sample_value("specwire_verify_step_seconds_count")
+    paths_before = [v.counter(c) for c in (v.metrics.cache["hit"], v.metrics.just_in_time["drafted"])]
     batch = prompts(20)
     results = generate_all(v, batch, max_tokens=24)
     expected = greedy_reference(world.checkpoint, batch, 24)
@@ -267,6 +269,9 @@ def test_greedy_through_both_services_equals_target_only(world):
     # Every verification is timed: at least one per 1 + k tokens of the longest request.
     steps = v.metrics.registry.get_sample_value("specwire_verify_step_seconds_count") - steps_before
     assert steps >= 24 / (1 + K)
+    # Drafts came both ways: from table hits, and made just in time where a table had none.
+    paths = [v.counter(c) for c in (v.metrics.cache["hit"], v.metrics.just_in_time["drafted"])]
+    assert all(a > b for a, b in zip(paths, paths_before, strict=True)), (paths, paths_before)
 
 
 def seeded_reference(checkpoint, prompt_list: list[list[int]], max_tokens: int, temperature: float,
@@ -526,6 +531,21 @@ def test_colocated_drafter_gives_the_two_process_output(world):
         assert [r[0] for r in generate_all(v, batch, max_tokens=20)] == two_process
         assert two_process == greedy_reference(world.checkpoint, batch, 20)
         assert v.counter(v.metrics.cache["hit"]) > 0 and v.counter(v.metrics.num_draft_tokens) > 0
+    finally:
+        v.close()
+
+
+def test_greedy_without_just_in_time_drafts_equals_target_only(world):
+    """A request no table had drafts for verifies none that round."""
+    v = Verifier(world.loop, world.checkpoint, world.tokenizer, world.drafter.port, just_in_time_wait=0.0)
+    try:
+        v.wait_connected()
+        batch = prompts(8, seed=17)
+        results = generate_all(v, batch, max_tokens=20)
+        assert [r[0] for r in results] == greedy_reference(world.checkpoint, batch, 20)
+        assert v.counter(v.metrics.cache["miss"]) > 0 and v.counter(v.metrics.cache["hit"]) > 0
+        assert v.counter(v.metrics.just_in_time["declined"]) > 0
+        assert v.counter(v.metrics.just_in_time["drafted"]) == 0
     finally:
         v.close()
 

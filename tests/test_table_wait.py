@@ -1,8 +1,9 @@
-"""The verifier's wait for a speculation-cache table (scheduler.table_wait): a table is waited for only when
-it is due within what a hit is worth."""
+"""The verifier's waits: for a speculation-cache table (scheduler.table_wait), waited for only when it is due
+within what a hit is worth; for drafts made just in time (scheduler.just_in_time_wait), while the tokens they
+add are worth more than the wait costs the whole batch."""
 
 import pytest
-from specwire.verifier.scheduler import table_wait
+from specwire.verifier.scheduler import just_in_time_wait, table_wait
 
 VERIFY = 0.006  # a verification, seconds
 
@@ -33,3 +34,13 @@ def test_a_table_already_due_gets_only_the_margin():
 def test_no_gain_no_wait():
     assert table_wait(VERIFY, 0.004, 0.003, hit_rate=0.0, tau=3.0) == 0.0
     assert table_wait(VERIFY, 0.004, 0.003, hit_rate=0.9, tau=1.0) == 0.0
+
+
+def test_drafts_just_in_time_are_waited_for_while_their_tokens_are_worth_the_wait():
+    # Batch 1: without them the round settles 1 token, with them tau: worth (tau - 1) verifications' time.
+    assert just_in_time_wait(1, 1, tau=3.0, verify=VERIFY) == pytest.approx(2 * VERIFY)
+    # Batch 16, 4 without drafts: they add 4 * 2 tokens to 12 * 3 + 4, so the round may grow by 8/40.
+    assert just_in_time_wait(16, 4, tau=3.0, verify=VERIFY) == pytest.approx(VERIFY * 8 / 40)
+    # Every request without drafts (the tables failed): as serial drafting, worth (tau - 1) / 1 of the round.
+    assert just_in_time_wait(16, 16, tau=2.5, verify=VERIFY) == pytest.approx(1.5 * VERIFY)
+    assert just_in_time_wait(8, 2, tau=1.0, verify=VERIFY) == 0.0  # drafts that are never accepted

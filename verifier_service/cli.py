@@ -50,6 +50,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="how long a finished verification waits for a table still on its way "
                              "(default: decided each round: waited for when it is due within what a hit "
                              "is worth, else not at all)")
+    parser.add_argument("--just-in-time-wait-ms", type=float,
+                        default=env("SPECWIRE_JUST_IN_TIME_WAIT_MS", None),
+                        help="how long a round waits for drafts made just in time for requests no table had "
+                             "drafts for (a miss, a late table) (default: decided each round: waited for "
+                             "when the tokens they add are worth the wait; 0 = never)")
     parser.add_argument("--aux-layers", default=env("SPECWIRE_AUX_LAYERS", "eagle3"),
                         help="target layers whose input EAGLE-3 heads read: comma-separated, 'eagle3' "
                              "(2, L/2, L-3) or 'none' (default eagle3)")
@@ -120,6 +125,7 @@ async def serve(args: argparse.Namespace) -> None:
     if args.metrics_port is not None:
         metrics.serve(args.metrics_port)
     table_wait = None if args.table_wait_ms is None else args.table_wait_ms / 1e3
+    jit_wait = None if args.just_in_time_wait_ms is None else args.just_in_time_wait_ms / 1e3
     settings = VerifierSettings(
         drafter=args.drafter if args.k > 0 else None,
         drafter_channel=grpc_common.ChannelOptions.from_args(args, prefix="drafter-"),
@@ -127,7 +133,8 @@ async def serve(args: argparse.Namespace) -> None:
         scheduler=SchedulerConfig(num_speculative_tokens=args.k, max_waiting=args.max_waiting,
                                   default_max_tokens=args.default_max_tokens, draft_top_k=args.draft_top_k,
                                   cache_branches=args.cache_branches,
-                                  table_wait=table_wait, forced_acceptance=forced,
+                                  table_wait=table_wait, just_in_time_wait=jit_wait,
+                                  forced_acceptance=forced,
                                   forced_hit_rate=args.forced_hit_rate),
     )
     server = VerifierServer(grpc_common.ServerOptions.from_args(args), settings, metrics)

@@ -10,8 +10,11 @@ as soon as its verification is launched. It settles the round before and names t
 being checked now; the drafter answers with a table of drafts for the likeliest outcomes (accepted drafts,
 bonus token) of that check, drafted while it runs. When it ends the verifier looks its outcome up: a hit
 launches the next verification at once with those drafts (and the q they were drawn from), a miss or a late
-table verifies that request with 0 drafts. The branch is chosen by the realised outcome only, so the output
-is exactly the target's. Without tables (serial mode) a round waits for drafts made for its settled tokens.
+table leaves that request without drafts. Such requests get drafts made just in time, before the launch,
+when waiting for them pays (just_in_time_wait); the drafter keeps that chain, so the table drafted while it
+is checked covers its outcomes and the next round can hit again. The branch is chosen by the realised
+outcome only, so the output is exactly the target's. Without tables (serial mode) a round waits for drafts
+made for its settled tokens.
 
 Drafter state: `drafter_len` is how many of a request's tokens the drafter has been told. Every step sent
 carries each request's tokens (and target features) since then; a new stream resets it to 0, so the next
@@ -72,6 +75,19 @@ def table_wait(verify: float, trip: float | None, since_sent: float, hit_rate: f
     return min(max(due, 0.0) + 0.25 * trip, budget) if due <= budget else 0.0
 
 
+def just_in_time_wait(batch: int, missing: int, tau: float, verify: float) -> float:
+    """Seconds a round may wait for drafts made just in time for the `missing` of its `batch` requests that
+    have none from a table. They would add about (tau - 1) tokens each to the round, while the wait delays
+    every request's tokens, (batch - missing) * tau + missing of them per verification: waiting pays while
+    it is shorter than the verification time those extra tokens are worth."""
+    tokens = (batch - missing) * tau + missing
+    return missing * max(tau - 1.0, 0.0) * verify / tokens
+
+
+# Request.next_branch of drafts made just in time: the next table is asked for with verifying_chain.
+CHAIN = -1
+
+
 def _resolve(future: asyncio.Future) -> None:
     if not future.done():
         future.set_result(None)
@@ -130,7 +146,7 @@ class Request:
     unsent_text: str = ""  # detokenised by _settle, not yet streamed
     drafter_len: int = 0
     next_drafts: Drafts | None = None  # from the speculation cache: the next verification's drafts
-    next_branch: int | None = None  # the table entry they came from
+    next_branch: int | None = None  # the table entry they came from, or CHAIN
     first_token_at: float = 0.0
     last_token_at: float = 0.0
     drafts: int = 0
@@ -160,6 +176,9 @@ class SchedulerConfig:
     # table_wait() from what a hit is worth and when the table should come. Never longer than the link's
     # step timeout.
     table_wait: float | None = None
+    # How long a round waits for drafts made just in time for requests no table had drafts for; None =
+    # decided per round by just_in_time_wait() from what they add and how long they took before; 0 = never.
+    just_in_time_wait: float | None = None
     forced_acceptance: tuple[float, ...] | None = None  # benchmarks only: acceptance rate per draft position
     # Benchmarks of synthetic targets only: this share of lookups is made to hit by replacing the settled
     # bonus token with that of an entry for the same number of accepted drafts (the output is then not the
@@ -227,6 +246,7 @@ class Scheduler:
         # verification.
         self._hit_rate, self._tau = 0.5, 2.0
         self._table_sent_at = 0.0
+        self._just_in_time_trip: float | None = None  # moving average, send to answer (or to giving up)
         self._unfinished: deque[tuple] = deque()  # verified rounds whose tokens are not streamed yet
         self._forcing = random.Random(0)  # forced_hit_rate's draws
         self._feature_columns: torch.Tensor | slice | None = None
@@ -312,7 +332,7 @@ class Scheduler:
                 self._finish_rounds()
             if not self.waiting and not self.running:
                 if self._frees and self.speculating:
-                    self._send_step([], branches=False)
+                    self._send_step([], "serial")
                 self._wake.clear()
                 await self._wake.wait()
                 continue
@@ -392,6 +412,10 @@ class Scheduler:
             return
         caching = self.caching
         if caching:
+            await self._draft_just_in_time(live)
+            live = [r for r in live if r.live]  # the wait may have let aborts in
+            if not live:
+                return
             batch, sent = self._cached_drafts(live), None
         else:
             sent, self._in_flight = self._in_flight, None
@@ -412,7 +436,7 @@ class Scheduler:
         self._finish_rounds()  # the last round's tokens go out while the GPU verifies this one
         if caching:  # the tables for this verification's outcomes are drafted while it runs
             self._table_sent_at = time.perf_counter()
-            sent = self._send_step(live, branches=True, checking=batch.num_drafts)
+            sent = self._send_step(live, "tables", checking=batch.num_drafts)
         step = await verification
         self._verify_seconds = time.perf_counter() - started
         tables = await self._tables(sent) if caching else None
@@ -434,7 +458,39 @@ class Scheduler:
         # loop to have nothing to launch): that work then overlaps the GPU instead of delaying it.
         self._unfinished.append((live, batch.num_drafts, step.tokens, settled))
         if self.speculating and not caching:
-            self._send_step([r for r in live if r.live], branches=False)
+            self._in_flight = self._send_step([r for r in live if r.live], "serial")
+
+    async def _draft_just_in_time(self, live: list[Request]) -> None:
+        """Drafts for the requests the last tables had none for (a miss, a late table, none asked for, a new
+        request), when waiting for them pays. The drafter keeps each chain, so the table asked for while
+        this round checks it covers its outcomes."""
+        missing = [r for r in live if r.next_drafts is None and self._num_drafts(r)]
+        if not missing:
+            return
+        wait = self.config.just_in_time_wait
+        if wait is None:
+            wait = just_in_time_wait(len(live), len(missing), self._tau, self._verify_seconds)
+            if self._just_in_time_trip is not None and self._just_in_time_trip > wait:
+                wait = 0.0
+        sent = self._send_step(missing, "chains") if wait > 0 and self.link.info.chains else None
+        if sent is None:
+            self.metrics.just_in_time["declined"].inc(len(missing))
+            return
+        sent_at = time.perf_counter()
+        self._finish_rounds()  # the last round's tokens go out while the drafter drafts
+        result = await self.link.result(sent[0], timeout=min(wait, self.link.step_timeout))
+        trip = time.perf_counter() - sent_at
+        self._just_in_time_trip = trip if self._just_in_time_trip is None else (
+            0.8 * self._just_in_time_trip + 0.2 * trip)
+        if result is None:
+            self.metrics.just_in_time["late"].inc(len(missing))
+            return
+        drafts = self._read_drafts(result, sent[1])
+        for r in missing:
+            d = drafts.get(r.id)
+            if d is not None and len(d.token_ids):
+                r.next_drafts, r.next_branch = d, CHAIN
+            self.metrics.just_in_time["undrafted" if r.next_drafts is None else "drafted"].inc()
 
     def _cached_drafts(self, live: list[Request]) -> BatchDrafts:
         """The drafts the last tables hold for each request's outcome, cut to the room it has left."""
@@ -512,15 +568,18 @@ class Scheduler:
 
     def _drafts_for(self, live: list[Request], result: dpb.DraftResult | None, wants: dict[str, Want]
                     ) -> BatchDrafts:
-        ids = [r.id for r in live]
-        if result is None:  # no drafts this step (a timeout or a broken stream is counted by the link)
-            return batch_drafts(ids, {}, self.vocab_size)
+        # None: no drafts this step (a timeout or a broken stream is counted by the link)
+        drafts = {} if result is None else self._read_drafts(result, wants)
+        return batch_drafts([r.id for r in live], drafts, self.vocab_size)
+
+    def _read_drafts(self, result: dpb.DraftResult, wants: dict[str, Want]) -> dict[str, Drafts]:
+        """The checked drafts of a serial step's answer, per request id; bad ones counted and left out."""
         if result.error:
             log.warning("drafter step failed", extra={"error": result.error})
         aligned = read_result(result, wants, self.vocab_size)
         self._count_bad(aligned)
         self._apply_dropped(result)
-        return batch_drafts(ids, aligned.drafts, self.vocab_size)
+        return aligned.drafts
 
     def _count_bad(self, aligned: AlignedResult) -> None:
         if aligned.unknown_ids:
@@ -726,12 +785,13 @@ class Scheduler:
         rows = torch.cat(blocks)[:, self._feature_columns].to(self._feature_dtype)
         return encode_row_blocks(rows, [len(b) for b in blocks])
 
-    def _send_step(self, group: list[Request], branches: bool, checking: list[int] | None = None
+    def _send_step(self, group: list[Request], kind: str, checking: list[int] | None = None
                    ) -> tuple[asyncio.Future, dict] | None:
-        """Tells the drafter what changed for `group` (and who left), and asks for drafts: for the settled
-        tokens (serial mode; the step is kept for the next round), or tables for the outcomes of the
-        verification in flight, which checks checking[i] drafts of group[i]. Returns the sent step's
-        future and its wants, or None when nothing was sent (the next step carries these updates)."""
+        """Tells the drafter what changed for `group` (and who left), and asks for drafts of `kind`: "serial"
+        for the settled tokens, "chains" the same with the chains kept for a table (just in time), or
+        "tables" for the outcomes of the verification in flight, which checks checking[i] drafts of
+        group[i]. Returns the sent step's future and its wants, or None when nothing was sent or wanted
+        (the next step carries these updates)."""
         if not self.link.can_send():
             return None
         step = dpb.DraftStep()
@@ -760,30 +820,32 @@ class Scheduler:
                 update.accepted.token_ids.extend(r.tokens[start:])
                 update.accepted.features.CopyFrom(features)
         wants: dict = {}
-        if branches:  # a table needs tokens settled since the last one, which is what the updates carry
+        if kind == "tables":
+            # A table needs tokens settled since the last one (what the updates carry), or a kept chain.
             fresh = {r.id: start for r, start in sends}
             most = min(self.config.cache_branches, self.link.info.max_branches)
             checked = dict(zip((r.id for r in group), checking, strict=True))
             for r in told:
-                if r.id in fresh and (k := self._num_drafts(r)):
+                chain = r.next_branch == CHAIN
+                if (r.id in fresh or chain) and (k := self._num_drafts(r)):
                     want = self._want(step, r, k)
                     message = step.wants[-1]
                     message.num_branches = most
-                    if r.next_branch is not None and fresh[r.id] > 0:
+                    if chain:
+                        message.verifying_chain = True
+                    elif r.next_branch is not None and fresh[r.id] > 0:
                         message.verifying_branch = r.next_branch
-                    wants[r.id] = (want, most, checked[r.id] if message.HasField("verifying_branch") else 0)
+                    verifying = chain or message.HasField("verifying_branch")
+                    wants[r.id] = (want, most, checked[r.id] if verifying else 0)
         else:
             for r in told:
                 if k := self._num_drafts(r):
                     wants[r.id] = self._want(step, r, k)
+                    step.wants[-1].keep_chain = kind == "chains"
         future = self.link.send(step)
         if future is None:
             return None
         self._frees.clear()
         for r in told:
             r.drafter_len = len(r.tokens)
-        if not wants:
-            return None
-        if not branches:
-            self._in_flight = (future, wants)
-        return future, wants
+        return (future, wants) if wants else None

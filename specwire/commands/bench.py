@@ -20,7 +20,7 @@ import json
 import time
 from dataclasses import dataclass
 
-from specwire.metrics import LOOKUP_RESULTS
+from specwire.metrics import JUST_IN_TIME_RESULTS, LOOKUP_RESULTS
 from specwire.sampling_params import SamplingParams
 
 
@@ -56,6 +56,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="how long a verification waits for its table (default: decided each round; a long wait "
         "measures how often the table holds the outcome, whatever the drafter's speed)",
+    )
+    parser.add_argument(
+        "--just-in-time-wait-ms",
+        type=float,
+        default=None,
+        help="how long a round waits for drafts made just in time for requests no table had drafts for "
+        "(default: decided each round; 0 = never)",
     )
     from specwire.drafter.cli import add_min_confidence_argument
 
@@ -95,6 +102,7 @@ def run(args: argparse.Namespace) -> int:
             cache_branches=args.cache_branches,
             min_confidence=args.min_confidence,
             table_wait=None if args.table_wait_ms is None else args.table_wait_ms / 1e3,
+            just_in_time_wait=None if args.just_in_time_wait_ms is None else args.just_in_time_wait_ms / 1e3,
             draft_top_k=args.draft_top_k,
             cuda_graphs=not args.no_cuda_graphs,
         )
@@ -173,6 +181,9 @@ class LocalRun:
             "draft_tokens": int(draft_tokens),
             "accepted_tokens": int(accepted),
             "cache_hit_rate": round(lookups["hit"] / looked_up, 4) if looked_up else None,
+            "just_in_time": {
+                r: int(self._value("spec_cache_just_in_time", result=r)) for r in JUST_IN_TIME_RESULTS
+            },
             "tokens": tokens,
             "tokens_per_round": round(decode / (decode - accepted), 4) if decode > accepted else None,
             "seconds": round(self.seconds, 3),
@@ -190,6 +201,7 @@ async def speculate(
     cache_branches: int = 0,
     min_confidence: float = 0.0,
     table_wait: float | None = None,
+    just_in_time_wait: float | None = None,
     draft_top_k: int = 32,
     cuda_graphs: bool = True,
 ) -> LocalRun:
@@ -218,6 +230,7 @@ async def speculate(
         draft_top_k=draft_top_k,
         cache_branches=cache_branches,
         table_wait=table_wait,
+        just_in_time_wait=just_in_time_wait,
     )
     scheduler = Scheduler(engine, tokenizer, metrics, config, link)
     scheduler.start()
