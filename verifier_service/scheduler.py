@@ -471,6 +471,7 @@ class Scheduler:
         if wait is None:
             wait = just_in_time_wait(len(live), len(missing), self._tau, self._verify_seconds)
             if self._just_in_time_trip is not None and self._just_in_time_trip > wait:
+                self._just_in_time_trip *= 0.95  # forgets a slow spell: a later round tries again
                 wait = 0.0
         sent = self._send_step(missing, "chains") if wait > 0 and self.link.info.chains else None
         if sent is None:
