@@ -470,7 +470,9 @@ class Scheduler:
         wait = self.config.just_in_time_wait
         if wait is None:
             wait = just_in_time_wait(len(live), len(missing), self._tau, self._verify_seconds)
-            if self._just_in_time_trip is not None and self._just_in_time_trip > wait:
+            # Asked for only when they should come within half of that: at the full wait they would only
+            # break even, and an answer later than the wait costs all of it for nothing.
+            if self._just_in_time_trip is not None and self._just_in_time_trip > 0.5 * wait:
                 self._just_in_time_trip *= 0.95  # forgets a slow spell: a later round tries again
                 wait = 0.0
         sent = self._send_step(missing, "chains") if wait > 0 and self.link.info.chains else None
