@@ -250,8 +250,9 @@ class EagleProposer:
         self._load_batch(requests, ks, temperature, top_k, size)
         sampled = [tk for t, tk, k in zip(temperature, top_k, ks, strict=True) if t > 0 and k > 0]
         mode = "greedy" if not sampled else "top_k" if all(sampled) else "full"
-        if (size, mode) in self.graphs:
-            self.graphs[size, mode].replay()
+        graph = self.graphs.get((size, f"chain_{mode}" if keep_chain else mode))
+        if graph is not None:
+            graph.replay()
         else:  # eager: no step past the longest chain
             self._draft_loop(size, mode, steps=max(ks), keep_chain=keep_chain)
         for r in requests:
@@ -326,16 +327,14 @@ class EagleProposer:
             index = torch.tensor(flat_rows).to(self.device, non_blocking=True)
             self._features.view(-1, self._features.shape[-1]).index_copy_(0, index, feats)
 
-    def _draft_loop(self, size: int, mode: str, steps: int | None = None, keep_chain: bool | None = None
-                    ) -> None:
+    def _draft_loop(self, size: int, mode: str, steps: int | None = None, keep_chain: bool = False) -> None:
         """The graph body: first step over the pending pairs, then max_drafts - 1 single-token steps.
 
         Per-step metadata comes from the per-row block: step j feeds position start + pending + j - 1, one
-        token while j < k (else 0 tokens: nothing is written to a live slot). keep_chain (None: whenever
-        there are branch slots, as graphs are captured) also feeds the last draft and keeps, per slot, each
-        draft's draft-vocabulary id and the head's output after it, which a table for its check scores.
+        token while j < k (else 0 tokens: nothing is written to a live slot). keep_chain also feeds the last
+        draft and keeps, per slot, each draft's draft-vocabulary id and the head's output after it, which a
+        table for its check scores.
         """
-        keep = bool(self.max_branches) if keep_chain is None else keep_chain
         head, meta = self.head, self._meta[:, :size]
         slots, start, pending, drafts, top_k = (meta[i] for i in range(5))
         kc, vc = self.cache.k[0], self.cache.v[0]
@@ -360,15 +359,15 @@ class EagleProposer:
                 self._top_q[:size, j].copy_(sample.top_q)
             if sample.full_q is not None:
                 self._full_q[:size, j].copy_(sample.full_q)
-            if keep:
+            if keep_chain:
                 self._slot_draft_ids[:, j].index_copy_(0, slots.long(), sample.tokens)
             elif j + 1 == steps:
                 break
             # Draft j + 1 is fed if a later draft needs it or, keeping the chain, if it is drafted and fits.
-            live = (drafts > j) & (position < self.max_context) if keep else drafts > j + 1
+            live = (drafts > j) & (position < self.max_context) if keep_chain else drafts > j + 1
             hidden = head(tokens[:, None], hidden[:, None], position, live.int(), slots, kc, vc,
                           own_features=True)[:, 0]
-            if keep:
+            if keep_chain:
                 self._slot_hidden[:, j].index_copy_(0, slots.long(), hidden)
             position = position + 1
 
@@ -384,12 +383,15 @@ class EagleProposer:
     @on_own_device
     def _capture(self) -> None:
         """One graph per (padded batch size, sampling mode) of each loop; all share one memory pool.
-        Branch-table graphs ("branch_greedy", "branch_top_k") exist when max_branches > 0."""
+        Branch-table graphs ("branch_greedy", "branch_top_k") and chain-keeping ones ("chain_greedy",
+        "chain_top_k") exist when max_branches > 0."""
         pool = None
         loops = [(mode, functools.partial(self._draft_loop, mode=mode))
                  for mode in ("greedy", "top_k", "full")]
         if self.max_branches:
             loops += [(f"branch_{mode}", functools.partial(self._branch_loop, mode=mode))
+                      for mode in ("greedy", "top_k")]
+            loops += [(f"chain_{mode}", functools.partial(self._draft_loop, mode=mode, keep_chain=True))
                       for mode in ("greedy", "top_k")]
         for name, loop in loops:
             loop(self.graph_sizes[-1])  # warm-up: compiles the Triton kernels; rows padding
