@@ -171,9 +171,6 @@ class SchedulerConfig:
     max_waiting: int = 256
     default_max_tokens: int = 128
     draft_top_k: int = 16  # sampled drafts are drawn from the top-K of the head's q (and shipped sparse)
-    # Sampled requests get greedy drafts too (verified by the race winner: accepted with probability
-    # p(draft)), instead of drafts drawn from the head's q (accepted with probability sum min(p, q)).
-    greedy_drafts: bool = False
     cache_branches: int = 8  # speculation-cache table entries per request; 0 = serial drafting
     # How long a finished verification waits for a table still on its way; None = decided per round by
     # table_wait() from what a hit is worth and when the table should come. Never longer than the link's
@@ -777,7 +774,7 @@ class Scheduler:
         p = r.params
         # Seeded requests draft greedily: the sampler verifies one-hot q by the race winner, so their output
         # is the target-only sample whatever the drafts, the batch or the drafter's health.
-        temperature = 0.0 if p.greedy or p.seed is not None or self.config.greedy_drafts else p.temperature
+        temperature = 0.0 if p.greedy or p.seed is not None else p.temperature
         top_k = 0 if temperature == 0 else min(p.top_k or self.config.draft_top_k, self.config.draft_top_k)
         want = step.wants.add(request_id=r.id, num_drafts=k, temperature=temperature, top_k=top_k)
         if p.seed is not None:

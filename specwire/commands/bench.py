@@ -30,11 +30,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--k", type=int, default=4, help="drafts per round (default 4)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     parser.add_argument(
-        "--greedy-drafts",
-        action="store_true",
-        help="sampled requests get greedy drafts (one-hot q) instead of drafts sampled from the head's q",
-    )
-    parser.add_argument(
         "--draft-top-k",
         type=int,
         default=32,
@@ -109,7 +104,6 @@ def run(args: argparse.Namespace) -> int:
             table_wait=None if args.table_wait_ms is None else args.table_wait_ms / 1e3,
             just_in_time_wait=None if args.just_in_time_wait_ms is None else args.just_in_time_wait_ms / 1e3,
             draft_top_k=args.draft_top_k,
-            greedy_drafts=args.greedy_drafts,
             cuda_graphs=not args.no_cuda_graphs,
         )
     )
@@ -209,7 +203,6 @@ async def speculate(
     table_wait: float | None = None,
     just_in_time_wait: float | None = None,
     draft_top_k: int = 32,
-    greedy_drafts: bool = False,
     cuda_graphs: bool = True,
 ) -> LocalRun:
     """Runs every prompt through a Scheduler whose drafter is co-located; all are queued at once and the
@@ -235,7 +228,6 @@ async def speculate(
         num_speculative_tokens=k,
         max_waiting=len(prompts),
         draft_top_k=draft_top_k,
-        greedy_drafts=greedy_drafts,
         cache_branches=cache_branches,
         table_wait=table_wait,
         just_in_time_wait=just_in_time_wait,
