@@ -175,6 +175,32 @@ def cpu_seconds(threads: dict[str, threading.Thread]) -> dict[str, float]:
     return clocks | {"process": time.process_time()}
 
 
+class RoundGaps:
+    """Times, on the worker, from the end of one verification (its tokens read back) to the start of the
+    next: the host work between two rounds (the loop settling, streaming, launching the next round), which a
+    device would sit idle through. Wraps the scheduler's _verify_on_worker."""
+
+    def __init__(self, scheduler):
+        self.gaps: list[float] = []
+        self._ended: float | None = None
+        verify = scheduler._verify_on_worker
+
+        def timed_verify(*args):
+            started = time.perf_counter()
+            if self._ended is not None:
+                self.gaps.append(started - self._ended)
+            try:
+                return verify(*args)
+            finally:
+                self._ended = time.perf_counter()
+
+        scheduler._verify_on_worker = timed_verify
+
+    def ms(self, q: float) -> float:
+        """The q-quantile of the gaps, in ms (gaps after a prefill, or between requests, are the tail)."""
+        return 1e3 * sorted(self.gaps)[int(q * (len(self.gaps) - 1))]
+
+
 def main() -> int:
     if sys.version_info >= (3, 12):  # cProfile is one per process there: no per-thread profiles
         raise SystemExit("profile_verifier_host.py needs Python 3.11; on 3.12+ read the per-round breakdown "
@@ -226,6 +252,7 @@ def main() -> int:
     rounds_before = verify_rounds(metrics)
     os_threads = {"loop": verifier_loop.thread, "worker": next(iter(scheduler._worker._threads))}
     cpu_before = cpu_seconds(os_threads)
+    gaps = RoundGaps(scheduler)
     on_threads({name: threads[name] for name in profiles}, lambda name: profiles[name].enable())
     started = time.perf_counter()
     tokens = run_batches(stub, batch, args.streams, args.max_tokens)
@@ -242,10 +269,13 @@ def main() -> int:
         "ms_per_round_wall": 1e3 * seconds / rounds, "tokens_per_round": tokens / rounds,
         "acceptance_rate": accepted / drafted if drafted else 0.0,
         **{f"cpu_ms_per_round_{name}": 1e3 * c / rounds for name, c in cpu.items()},
+        "gap_ms_median": gaps.ms(0.5), "gap_ms_p90": gaps.ms(0.9),
     }
     print(f"# {rounds} verify rounds, {tokens} tokens in {seconds:.2f} s ({tokens / seconds:.0f} tok/s, "
           f"{summary['ms_per_round_wall']:.2f} ms a round wall, {tokens / rounds:.2f} tokens a round); "
           f"timer: {args.timer} time per thread, ms per verify round")
+    print(f"# between rounds (a verification's end to the next one's start): median {gaps.ms(0.5):.3f} ms, "
+          f"p90 {gaps.ms(0.9):.3f} ms")
     print("# CPU ms a round: " + ", ".join(f"{name} {1e3 * c / rounds:.3f}" for name, c in cpu.items()))
     if args.target_only:
         wall, cpu_ms = engine_step_ms(scheduler.engine, args.streams)
