@@ -6,12 +6,18 @@ the sampler and the lm_head rows are real-sized; 4 layers of width 64, so the fo
 `--streams` requests at a time generate greedily while cProfile records four threads: the verifier's event
 loop (scheduler, alignment, drafter link, streaming) and engine worker (forward, sampler, features), and the
 drafter's event loop (the Draft stream) and proposer worker (updates, drafting, the DraftResult).
+`--target-only` starts no drafter (k = 0): the verifier's two threads alone, each round a decode step. As in
+the services, the loops are uvloop's and the switch interval 0.2 ms; torch computes on one thread, so the
+forward holds the worker's core as a GPU would and leaves the other to the event loop.
 
 Prints per thread the top functions by cumulative ms per verify round, then a component summary. The default
 timer is each thread's CPU time (`--timer cpu`), so time spent waiting (for the drafter, the other thread, or
-other processes on a shared host) is not counted; `--timer wall` counts it.
+other processes on a shared host) is not counted; `--timer wall` counts it; `--timer off` profiles nothing,
+for wall figures without the profiler's overhead. Target-only runs also time the engine's own step (decode,
+sampler, tokens read back) at the same batch: what a round costs beyond it is the verifier's host time.
 
     python bench/profile_verifier_host.py                      # CPU
+    python bench/profile_verifier_host.py --target-only --streams 16 --timer off
     python bench/profile_verifier_host.py --verifier-device cuda:1 --drafter-device cuda:0 \
         --out bench/results/profile_verifier_host_h200x2.json
 """
@@ -19,6 +25,7 @@ other processes on a shared host) is not counted; `--timer wall` counts it.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import cProfile
 import json
 import os
@@ -31,11 +38,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import torch
+import uvloop
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is first imported, as tests/conftest.py
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
+from profile_verify_step import sample, timed  # noqa: E402
 from specwire.verifier.scheduler import SchedulerConfig  # noqa: E402
 from specwire.verifier.server import VerifierServer, VerifierSettings  # noqa: E402
 from test_services_e2e import MAX_CONTEXT, Drafter, Loop, prompts, tiny_target  # noqa: E402
@@ -55,7 +64,7 @@ COMPONENTS = [
     ("worker:     model step (eager forward, or graph prepare + replay)", "worker", ["_step"]),
     ("worker:   _sample (all)", "worker", ["_sample"]),
     ("worker:     rejection_sample", "worker", ["rejection_sample"]),
-    ("loop: Scheduler._verify (all, minus awaits)", "loop", ["_verify"]),
+    ("loop: Scheduler._round (all, minus awaits)", "loop", ["_round"]),
     ("loop:   _drafts_for", "loop", ["_drafts_for"]),
     ("loop:     read_result", "loop", ["read_result"]),
     ("loop:     batch_drafts", "loop", ["batch_drafts"]),
@@ -78,7 +87,7 @@ COMPONENTS = [
 OWNERS = {  # function name -> a path fragment of its file, to tell apart same-named functions
     "_verify_on_worker": "scheduler", "verify": "engine", "decode": "engine", "_step": "engine",
     "_sample": "scheduler", "rejection_sample": "rejection_sampler",
-    "_verify": "scheduler", "_drafts_for": "scheduler", "read_result": "alignment",
+    "_round": "scheduler", "_drafts_for": "scheduler", "read_result": "alignment",
     "batch_drafts": "alignment", "_settle": "scheduler", "_stream": "scheduler", "_send_step": "scheduler",
     "_features": "scheduler",
     "send": "drafter_link", "_read": "drafter_link", "Generate": "verifier_service/server",
@@ -88,12 +97,14 @@ OWNERS = {  # function name -> a path fragment of its file, to tell apart same-n
 }
 
 
-def start_verifier(loop: Loop, checkpoint, tokenizer, drafter_port: int, device: str, k: int, max_slots: int
-                   ) -> tuple[VerifierServer, generation_pb2_grpc.GenerationStub]:
-    """As `specwire verifier` builds it: CUDA graphs for decode and for verify rows of 1 + k tokens."""
+def start_verifier(loop: Loop, checkpoint, tokenizer, drafter_port: int | None, device: str, k: int,
+                   max_slots: int) -> tuple[VerifierServer, generation_pb2_grpc.GenerationStub]:
+    """As `specwire verifier` builds it: CUDA graphs for decode and for verify rows of 1 + k tokens.
+    drafter_port None: target-only."""
     engine = TargetEngine(checkpoint=checkpoint, device=device, dtype=torch.float32, max_slots=max_slots,
                           max_context=MAX_CONTEXT, max_verify_tokens=k + 1)
-    settings = VerifierSettings(drafter=f"127.0.0.1:{drafter_port}", step_timeout=5.0, model_name="tiny",
+    drafter = None if drafter_port is None else f"127.0.0.1:{drafter_port}"
+    settings = VerifierSettings(drafter=drafter, step_timeout=5.0, model_name="tiny",
                                 scheduler=SchedulerConfig(num_speculative_tokens=k, max_waiting=64))
 
     async def start() -> tuple[VerifierServer, int]:  # grpc.aio objects belong to the loop they are made on
@@ -142,6 +153,54 @@ def top_rows(stats: pstats.Stats, rounds: int, n: int) -> list[dict]:
             for (path, line, func), (_, nc, tt, ct, _) in rows[:n]]
 
 
+def verify_rounds(metrics: VerifierMetrics) -> int:
+    """Verifications so far (one observation of verify_step_seconds each)."""
+    samples = metrics.verify_step_time.collect()[0].samples
+    return int(next(s.value for s in samples if s.name.endswith("_count")))
+
+
+def engine_step_ms(engine: TargetEngine, batch: int, iters: int = 200) -> tuple[float, float]:
+    """The engine's own decode step at this batch (forward, sampler, tokens read back): median wall ms and
+    mean CPU ms of this thread. Runs on slots 0..batch-1 at position 64, free once the requests are done."""
+    slots, starts = list(range(batch)), [64] * batch
+    cpu = time.thread_time()
+    with torch.inference_mode():
+        wall = timed(lambda: sample(engine.decode(slots, [5] * batch, starts).logits, batch, 0), iters)
+    return wall, 1e3 * (time.thread_time() - cpu) / (iters + 5)  # timed() runs 5 warm-up calls first
+
+
+def cpu_seconds(threads: dict[str, threading.Thread]) -> dict[str, float]:
+    """CPU seconds so far of each thread, and of the whole process ("process")."""
+    clocks = {name: time.clock_gettime(time.pthread_getcpuclockid(t.ident)) for name, t in threads.items()}
+    return clocks | {"process": time.process_time()}
+
+
+class RoundGaps:
+    """Times, on the worker, from the end of one verification (its tokens read back) to the start of the
+    next: the host work between two rounds (the loop settling, streaming, launching the next round), which a
+    device would sit idle through. Wraps the scheduler's _verify_on_worker."""
+
+    def __init__(self, scheduler):
+        self.gaps: list[float] = []
+        self._ended: float | None = None
+        verify = scheduler._verify_on_worker
+
+        def timed_verify(*args):
+            started = time.perf_counter()
+            if self._ended is not None:
+                self.gaps.append(started - self._ended)
+            try:
+                return verify(*args)
+            finally:
+                self._ended = time.perf_counter()
+
+        scheduler._verify_on_worker = timed_verify
+
+    def ms(self, q: float) -> float:
+        """The q-quantile of the gaps, in ms (gaps after a prefill, or between requests, are the tail)."""
+        return 1e3 * sorted(self.gaps)[int(q * (len(self.gaps) - 1))]
+
+
 def main() -> int:
     if sys.version_info >= (3, 12):  # cProfile is one per process there: no per-thread profiles
         raise SystemExit("profile_verifier_host.py needs Python 3.11; on 3.12+ read the per-round breakdown "
@@ -153,49 +212,79 @@ def main() -> int:
     p.add_argument("--requests", type=int, default=8, help="requests in the profiled run (default 8)")
     p.add_argument("--max-tokens", type=int, default=96, help=f"per request (prompt + this <= {MAX_CONTEXT})")
     p.add_argument("--k", type=int, default=3)
-    p.add_argument("--timer", choices=("cpu", "wall"), default="cpu")
+    p.add_argument("--target-only", action="store_true", help="no drafter: k = 0, every round a decode step")
+    p.add_argument("--timer", choices=("cpu", "wall", "off"), default="cpu")
+    p.add_argument("--switch-interval", type=float, default=grpc_common.DEFAULT_SWITCH_INTERVAL,
+                   help="sys.setswitchinterval, as the services set it (default %(default)s s)")
     p.add_argument("--top", type=int, default=30, help="rows per thread in the function table")
     p.add_argument("--out", default=None, help="write the JSON result here")
     args = p.parse_args()
 
+    if args.target_only:
+        args.k = 0
+    sys.setswitchinterval(args.switch_interval)
+    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())  # the services' loop (grpc_common.run)
+    torch.set_num_threads(1)  # the forward stays on the worker's core, as on a GPU; the other is the loop's
     checkpoint = tiny_target()
     tokenizer = load_tokenizer(default_model_path())
-    drafter_loop, verifier_loop = Loop(), Loop()
-    drafter = Drafter(drafter_loop, checkpoint, tokenizer.fingerprint, device=args.drafter_device)
-    server, stub = start_verifier(verifier_loop, checkpoint, tokenizer, drafter.port, args.verifier_device,
-                                  args.k, max_slots=max(16, args.streams))
+    verifier_loop = Loop()
+    drafter_loop = drafter = None
+    if not args.target_only:
+        drafter_loop = Loop()
+        drafter = Drafter(drafter_loop, checkpoint, tokenizer.fingerprint, device=args.drafter_device)
+    server, stub = start_verifier(verifier_loop, checkpoint, tokenizer, drafter and drafter.port,
+                                  args.verifier_device, args.k, max_slots=max(16, args.streams))
     scheduler = server.scheduler
     deadline = time.time() + 30
-    while not scheduler.speculating:
+    while drafter and not scheduler.speculating:
         assert time.time() < deadline, "the drafter never connected"
         time.sleep(0.05)
     batch = prompts(args.requests, seed=1)
     run_batches(stub, batch[:args.streams], args.streams, 16)  # warm-up: graphs, allocator, grpc channels
 
-    timer = time.thread_time if args.timer == "cpu" else time.perf_counter
-    threads = {"loop": verifier_loop, "worker": scheduler._worker,
-               "drafter_loop": drafter_loop, "drafter_worker": drafter.service._worker}
-    profiles = {name: cProfile.Profile(timer) for name in threads}
+    timer = {"cpu": time.thread_time, "wall": time.perf_counter}.get(args.timer)
+    threads = {"loop": verifier_loop, "worker": scheduler._worker}
+    if drafter:
+        threads |= {"drafter_loop": drafter_loop, "drafter_worker": drafter.service._worker}
+    profiles = {name: cProfile.Profile(timer) for name in threads} if timer else {}
     metrics = server.metrics
     steps_before = metrics.num_draft_tokens._value.get(), metrics.num_accepted_tokens._value.get()
-    on_threads(threads, lambda name: profiles[name].enable())
+    rounds_before = verify_rounds(metrics)
+    os_threads = {"loop": verifier_loop.thread, "worker": next(iter(scheduler._worker._threads))}
+    cpu_before = cpu_seconds(os_threads)
+    gaps = RoundGaps(scheduler)
+    on_threads({name: threads[name] for name in profiles}, lambda name: profiles[name].enable())
     started = time.perf_counter()
     tokens = run_batches(stub, batch, args.streams, args.max_tokens)
     seconds = time.perf_counter() - started
-    on_threads(threads, lambda name: profiles[name].disable())
+    cpu = {name: seconds_now - cpu_before[name] for name, seconds_now in cpu_seconds(os_threads).items()}
+    on_threads({name: threads[name] for name in profiles}, lambda name: profiles[name].disable())
 
     stats = {thread: pstats.Stats(prof) for thread, prof in profiles.items()}
-    rounds = cumulative(stats["worker"], "_verify_on_worker")[1]
+    rounds = verify_rounds(metrics) - rounds_before
     drafted = metrics.num_draft_tokens._value.get() - steps_before[0]
     accepted = metrics.num_accepted_tokens._value.get() - steps_before[1]
     summary = {
         "rounds": rounds, "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
         "ms_per_round_wall": 1e3 * seconds / rounds, "tokens_per_round": tokens / rounds,
         "acceptance_rate": accepted / drafted if drafted else 0.0,
+        **{f"cpu_ms_per_round_{name}": 1e3 * c / rounds for name, c in cpu.items()},
+        "gap_ms_median": gaps.ms(0.5), "gap_ms_p90": gaps.ms(0.9),
     }
     print(f"# {rounds} verify rounds, {tokens} tokens in {seconds:.2f} s ({tokens / seconds:.0f} tok/s, "
           f"{summary['ms_per_round_wall']:.2f} ms a round wall, {tokens / rounds:.2f} tokens a round); "
           f"timer: {args.timer} time per thread, ms per verify round")
+    print(f"# between rounds (a verification's end to the next one's start): median {gaps.ms(0.5):.3f} ms, "
+          f"p90 {gaps.ms(0.9):.3f} ms")
+    print("# CPU ms a round: " + ", ".join(f"{name} {1e3 * c / rounds:.3f}" for name, c in cpu.items()))
+    if args.target_only:
+        wall, cpu_ms = engine_step_ms(scheduler.engine, args.streams)
+        summary |= {"engine_step_ms": wall, "engine_step_cpu_ms": cpu_ms,
+                    "ms_per_round_beyond_engine_step": summary["ms_per_round_wall"] - wall,
+                    "worker_cpu_ms_beyond_engine_step": summary["cpu_ms_per_round_worker"] - cpu_ms}
+        print(f"# the engine's own step: {wall:.3f} ms (median), {cpu_ms:.3f} ms CPU; a round costs "
+              f"{summary['ms_per_round_beyond_engine_step']:.3f} ms more wall, the worker "
+              f"{summary['worker_cpu_ms_beyond_engine_step']:.3f} ms more CPU")
     tables = {}
     for thread, s in stats.items():
         tables[thread] = top_rows(s, rounds, args.top)
@@ -206,7 +295,7 @@ def main() -> int:
             print(f"{r['cum_ms']:8.3f} {r['self_ms']:8.3f} {r['calls_per_round']:7.2f}  {r['function']}")
     components = {}
     print("\n## components (ms per verify round; indented rows are part of the row above)")
-    for label, thread, names in COMPONENTS:
+    for label, thread, names in [c for c in COMPONENTS if c[1] in stats]:
         seconds_in = sum(cumulative(stats[thread], name)[0] for name in names)
         components[label] = 1e3 * seconds_in / rounds
         print(f"{components[label]:8.3f}  {label}")
@@ -215,8 +304,9 @@ def main() -> int:
         print(f"{components[f'{thread}: thread total']:8.3f}  {thread}: thread total")
 
     verifier_loop.run(server.stop(0))
-    drafter.kill()
-    drafter_loop.close()
+    if drafter:
+        drafter.kill()
+        drafter_loop.close()
     verifier_loop.close()
     if args.out:
         result = {"bench": "profile_verifier_host", "args": vars(args), "torch": torch.__version__,

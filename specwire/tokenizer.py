@@ -316,6 +316,8 @@ class IncrementalDetokenizer:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens) if ids else ""
 
     def _release(self, pending: str, final: bool = False) -> str:
+        if not self.stop:  # the common case, once per token of every request: nothing to look for
+            return self._emit(pending)
         hits = [(pending.find(s), s) for s in self.stop if s in pending]
         if hits:
             cut = min(hits)[0]
