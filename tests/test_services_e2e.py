@@ -550,6 +550,21 @@ def test_greedy_without_just_in_time_drafts_equals_target_only(world):
         v.close()
 
 
+def test_just_in_time_drafts_that_come_late_still_get_a_table(world):
+    """A round never waits for them (a 1 µs wait), yet the table drafted while it runs covers that request,
+    so later rounds hit: a late answer must not leave a request without tables for good."""
+    v = Verifier(world.loop, world.checkpoint, world.tokenizer, world.drafter.port, just_in_time_wait=1e-6)
+    try:
+        v.wait_connected()
+        batch = prompts(6, seed=19)
+        results = generate_all(v, batch, max_tokens=20)
+        assert [r[0] for r in results] == greedy_reference(world.checkpoint, batch, 20)
+        assert v.counter(v.metrics.just_in_time["late"]) > 0
+        assert v.counter(v.metrics.cache["hit"]) > 0 and all(r[2].usage.draft_tokens > 0 for r in results)
+    finally:
+        v.close()
+
+
 def test_greedy_with_serial_drafting_equals_target_only(world):
     v = Verifier(world.loop, world.checkpoint, world.tokenizer, world.drafter.port, cache_branches=0)
     try:

@@ -247,6 +247,7 @@ class Scheduler:
         self._hit_rate, self._tau = 0.5, 2.0
         self._table_sent_at = 0.0
         self._just_in_time_trip: float | None = None  # moving average, send to answer (or to giving up)
+        self._asked_just_in_time: set[str] = set()  # requests this round's just-in-time step asked drafts for
         self._unfinished: deque[tuple] = deque()  # verified rounds whose tokens are not streamed yet
         self._forcing = random.Random(0)  # forced_hit_rate's draws
         self._feature_columns: torch.Tensor | slice | None = None
@@ -464,6 +465,7 @@ class Scheduler:
         """Drafts for the requests the last tables had none for (a miss, a late table, none asked for, a new
         request), when waiting for them pays. The drafter keeps each chain, so the table asked for while
         this round checks it covers its outcomes."""
+        self._asked_just_in_time = set()
         missing = [r for r in live if r.next_drafts is None and self._num_drafts(r)]
         if not missing:
             return
@@ -479,6 +481,7 @@ class Scheduler:
         if sent is None:
             self.metrics.just_in_time["declined"].inc(len(missing))
             return
+        self._asked_just_in_time = set(sent[1])  # their table is asked for even if these drafts come late
         sent_at = time.perf_counter()
         self._finish_rounds()  # the last round's tokens go out while the drafter drafts
         result = await self.link.result(sent[0], timeout=min(wait, self.link.step_timeout))
@@ -824,19 +827,20 @@ class Scheduler:
                 update.accepted.features.CopyFrom(features)
         wants: dict = {}
         if kind == "tables":
-            # A table needs tokens settled since the last one (what the updates carry), or a kept chain.
+            # A table needs tokens settled since the last one: sent now, or with this round's just-in-time
+            # step (the drafter then kept its chain, or applied the tokens without drafting).
             fresh = {r.id: start for r, start in sends}
             most = min(self.config.cache_branches, self.link.info.max_branches)
             checked = dict(zip((r.id for r in group), checking, strict=True))
             for r in told:
                 chain = r.next_branch == CHAIN
-                if (r.id in fresh or chain) and (k := self._num_drafts(r)):
+                if (r.id in fresh or r.id in self._asked_just_in_time) and (k := self._num_drafts(r)):
                     want = self._want(step, r, k)
                     message = step.wants[-1]
                     message.num_branches = most
                     if chain:
                         message.verifying_chain = True
-                    elif r.next_branch is not None and fresh[r.id] > 0:
+                    elif r.next_branch is not None and fresh.get(r.id, 0) > 0:
                         message.verifying_branch = r.next_branch
                     verifying = chain or message.HasField("verifying_branch")
                     wants[r.id] = (want, most, checked[r.id] if verifying else 0)
