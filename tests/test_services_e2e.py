@@ -7,6 +7,7 @@ prefill/decode + argmax), whatever the drafter does: drafts, dies, restarts or s
 """
 
 import asyncio
+import contextlib
 import functools
 import threading
 import time
@@ -535,46 +536,46 @@ def test_colocated_drafter_gives_the_two_process_output(world):
         v.close()
 
 
-def test_greedy_without_just_in_time_drafts_equals_target_only(world):
-    """A request no table had drafts for verifies none that round."""
-    v = Verifier(world.loop, world.checkpoint, world.tokenizer, world.drafter.port, just_in_time_wait=0.0)
+@contextlib.contextmanager
+def verifier_of_the_world_drafter(world, **settings):
+    """A second verifier, with other settings, connected to the world's drafter."""
+    v = Verifier(world.loop, world.checkpoint, world.tokenizer, world.drafter.port, **settings)
     try:
         v.wait_connected()
-        batch = prompts(8, seed=17)
-        results = generate_all(v, batch, max_tokens=20)
-        assert [r[0] for r in results] == greedy_reference(world.checkpoint, batch, 20)
+        yield v
+    finally:
+        v.close()
+
+
+def greedy_equals_target_only(world, v: Verifier, n: int, seed: int) -> list:
+    batch = prompts(n, seed=seed)
+    results = generate_all(v, batch, max_tokens=20)
+    assert [r[0] for r in results] == greedy_reference(world.checkpoint, batch, 20)
+    return results
+
+
+def test_greedy_without_just_in_time_drafts_equals_target_only(world):
+    """A request no table had drafts for verifies none that round."""
+    with verifier_of_the_world_drafter(world, just_in_time_wait=0.0) as v:
+        greedy_equals_target_only(world, v, 8, seed=17)
         assert v.counter(v.metrics.cache["miss"]) > 0 and v.counter(v.metrics.cache["hit"]) > 0
         assert v.counter(v.metrics.just_in_time["declined"]) > 0
         assert v.counter(v.metrics.just_in_time["drafted"]) == 0
-    finally:
-        v.close()
 
 
 def test_just_in_time_drafts_that_come_late_still_get_a_table(world):
     """A round never waits for them (a 1 µs wait), yet the table drafted while it runs covers that request,
     so later rounds hit: a late answer must not leave a request without tables for good."""
-    v = Verifier(world.loop, world.checkpoint, world.tokenizer, world.drafter.port, just_in_time_wait=1e-6)
-    try:
-        v.wait_connected()
-        batch = prompts(6, seed=19)
-        results = generate_all(v, batch, max_tokens=20)
-        assert [r[0] for r in results] == greedy_reference(world.checkpoint, batch, 20)
+    with verifier_of_the_world_drafter(world, just_in_time_wait=1e-6) as v:
+        results = greedy_equals_target_only(world, v, 6, seed=19)
         assert v.counter(v.metrics.just_in_time["late"]) > 0
         assert v.counter(v.metrics.cache["hit"]) > 0 and all(r[2].usage.draft_tokens > 0 for r in results)
-    finally:
-        v.close()
 
 
 def test_greedy_with_serial_drafting_equals_target_only(world):
-    v = Verifier(world.loop, world.checkpoint, world.tokenizer, world.drafter.port, cache_branches=0)
-    try:
-        v.wait_connected()
-        batch = prompts(8, seed=15)
-        results = generate_all(v, batch, max_tokens=20)
-        assert [r[0] for r in results] == greedy_reference(world.checkpoint, batch, 20)
+    with verifier_of_the_world_drafter(world, cache_branches=0) as v:
+        greedy_equals_target_only(world, v, 8, seed=15)
         assert v.counter(v.metrics.num_accepted_tokens) > 0
-    finally:
-        v.close()
 
 
 @pytest.mark.gpu
