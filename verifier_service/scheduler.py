@@ -475,7 +475,9 @@ class Scheduler:
             # Asked for only when they should come within half of that: at the full wait they would only
             # break even, and an answer later than the wait costs all of it for nothing.
             if self._just_in_time_trip is not None and self._just_in_time_trip > 0.5 * wait:
-                self._just_in_time_trip *= 0.95  # forgets a slow spell: a later round tries again
+                # Forgets a slow spell, slowly: a retry can cost the whole wait, so it comes every ~70 rounds
+                # while the trip stays at twice what pays.
+                self._just_in_time_trip *= 0.99
                 wait = 0.0
         sent = self._send_step(missing, "chains") if wait > 0 and self.link.info.chains else None
         if sent is None:
