@@ -2,8 +2,14 @@
 within what a hit is worth; for drafts made just in time (scheduler.just_in_time_wait), while the tokens they
 add are worth more than the wait costs the whole batch."""
 
+import asyncio
+
 import pytest
+from specwire.verifier.drafter_link import LocalDrafterLink
 from specwire.verifier.scheduler import just_in_time_wait, table_wait
+
+from specwire.metrics import VerifierMetrics
+from specwire.v1 import drafter_pb2 as dpb
 
 VERIFY = 0.006  # a verification, seconds
 
@@ -44,3 +50,19 @@ def test_drafts_just_in_time_are_waited_for_while_their_tokens_are_worth_the_wai
     # Every request without drafts (the tables failed): as serial drafting, worth (tau - 1) / 1 of the round.
     assert just_in_time_wait(16, 16, tau=2.5, verify=VERIFY) == pytest.approx(1.5 * VERIFY)
     assert just_in_time_wait(8, 2, tau=1.0, verify=VERIFY) == 0.0  # drafts that are never accepted
+
+
+def test_only_a_wait_of_the_whole_step_timeout_counts_as_a_drafter_fault():
+    """A late table or just-in-time answer is the verifier's choice of a short wait (counted as late in
+    specwire_spec_cache_*), not a fallback: the SpecwireDrafterFallback alert must not fire on it."""
+    metrics = VerifierMetrics()
+    link = LocalDrafterLink(lambda step: None, dpb.DrafterInfo(), lambda request: "", metrics,
+                            step_timeout=0.02)
+
+    async def unanswered(timeout: float | None) -> None:
+        assert await link.result(asyncio.get_running_loop().create_future(), timeout=timeout) is None
+
+    asyncio.run(unanswered(0.001))
+    assert metrics.fallbacks["timeout"]._value.get() == 0
+    asyncio.run(unanswered(None))
+    assert metrics.fallbacks["timeout"]._value.get() == 1

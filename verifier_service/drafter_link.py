@@ -57,9 +57,10 @@ class _StepResults:
         """The step's DraftResult, or None after `timeout` (default step_timeout; a later answer is then
         stale) or when the stream broke. An answer already in costs no wait; else the future itself is
         awaited, a timer resolving it at the deadline: the caller resumes one loop turn after the answer
-        (wait_for and shield took three)."""
+        (wait_for and shield took three). Only a wait of the whole step timeout counts as a fallback: a
+        shorter one is the caller's choice (a table or just-in-time wait), counted by it as late."""
+        wait = self.step_timeout if timeout is None else timeout
         if not future.done():
-            wait = self.step_timeout if timeout is None else timeout
             timer = asyncio.get_running_loop().call_later(wait, self._expire, future)
             try:
                 await future
@@ -67,7 +68,8 @@ class _StepResults:
                 timer.cancel()
         result = future.result()
         if result is _EXPIRED:
-            self.metrics.fallbacks["timeout"].inc()
+            if wait >= self.step_timeout:
+                self.metrics.fallbacks["timeout"].inc()
             return None
         if result is None:  # the stream broke while the step was out
             self.metrics.fallbacks["down"].inc()
