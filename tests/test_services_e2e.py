@@ -140,7 +140,7 @@ class Verifier:
     def __init__(self, loop: Loop, checkpoint, tokenizer, drafter_port: int | str | None, max_slots: int = 16,
                  cache_branches: int = BRANCHES, step_timeout: float = 5.0, device: str = "cpu",
                  table_wait: float | None = 5.0, just_in_time_wait: float | None = 5.0,
-                 max_waiting: int = 64):
+                 max_waiting: int = 64, drafting_epoch: int = 0):
         self.loop, self.metrics = loop, VerifierMetrics()
         self.engine = TargetEngine(checkpoint=checkpoint, device=device, dtype=torch.float32,
                                    max_slots=max_slots, max_context=MAX_CONTEXT)
@@ -149,7 +149,8 @@ class Verifier:
             step_timeout=step_timeout,
             scheduler=SchedulerConfig(num_speculative_tokens=K, max_waiting=max_waiting,
                                       default_max_tokens=16, cache_branches=cache_branches,
-                                      table_wait=table_wait, just_in_time_wait=just_in_time_wait),
+                                      table_wait=table_wait, just_in_time_wait=just_in_time_wait,
+                                      drafting_epoch=drafting_epoch),
             model_name="tiny",
         )
         link = colocated(checkpoint, tokenizer, self.metrics) if drafter_port == "colocated" else None
@@ -570,6 +571,14 @@ def test_just_in_time_drafts_that_come_late_still_get_a_table(world):
         results = greedy_equals_target_only(world, v, 6, seed=19)
         assert v.counter(v.metrics.just_in_time["late"]) > 0
         assert v.counter(v.metrics.cache["hit"]) > 0 and all(r[2].usage.draft_tokens > 0 for r in results)
+
+
+def test_greedy_with_adaptive_drafting_equals_target_only(world):
+    """Epochs of two rounds: tables, then serial, then the faster, switching back and forth."""
+    with verifier_of_the_world_drafter(world, drafting_epoch=2) as v:
+        greedy_equals_target_only(world, v, 8, seed=21)
+        assert all(v.counter(v.metrics.drafting_rounds[m]) > 0 for m in ("tables", "serial"))
+        assert v.counter(v.metrics.num_accepted_tokens) > 0 and v.counter(v.metrics.cache["hit"]) > 0
 
 
 def test_greedy_with_serial_drafting_equals_target_only(world):

@@ -55,6 +55,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="how long a round waits for drafts made just in time for requests no table had "
                              "drafts for (a miss, a late table) (default: decided each round: waited for "
                              "when the tokens they add are worth the wait; 0 = never)")
+    parser.add_argument("--drafting-epoch", type=int, default=env("SPECWIRE_DRAFTING_EPOCH", 0),
+                        metavar="ROUNDS",
+                        help="with the speculation cache: try epochs of this many rounds of serial drafting "
+                             "beside the tables and keep to whichever gives more tokens/s (serial wins where "
+                             "tables come late; e.g. 32; default 0: tables always)")
     parser.add_argument("--aux-layers", default=env("SPECWIRE_AUX_LAYERS", "eagle3"),
                         help="target layers whose input EAGLE-3 heads read: comma-separated, 'eagle3' "
                              "(2, L/2, L-3) or 'none' (default eagle3)")
@@ -116,6 +121,8 @@ async def serve(args: argparse.Namespace) -> None:
         raise ValueError("--colocated runs the drafter in this process: leave out --drafter")
     if args.cache_branches < 0:
         raise ValueError(f"--cache-branches must be >= 0, got {args.cache_branches}")
+    if args.drafting_epoch < 0:
+        raise ValueError(f"--drafting-epoch must be >= 0, got {args.drafting_epoch}")
     if args.forced_hit_rate is not None and not 0 <= args.forced_hit_rate <= 1:
         raise ValueError(f"--forced-hit-rate must be in [0, 1], got {args.forced_hit_rate}")
     forced = None
@@ -134,6 +141,7 @@ async def serve(args: argparse.Namespace) -> None:
                                   default_max_tokens=args.default_max_tokens, draft_top_k=args.draft_top_k,
                                   cache_branches=args.cache_branches,
                                   table_wait=table_wait, just_in_time_wait=jit_wait,
+                                  drafting_epoch=args.drafting_epoch,
                                   forced_acceptance=forced,
                                   forced_hit_rate=args.forced_hit_rate),
     )

@@ -47,6 +47,7 @@ from specwire.verifier.alignment import (
     read_tables,
 )
 from specwire.verifier.drafter_link import DrafterLink, HandshakeRefused
+from specwire.verifier.drafting_mode import DraftingMode
 
 from specwire.engine import TargetEngine
 from specwire.forced_acceptance import rates_tensor
@@ -179,6 +180,9 @@ class SchedulerConfig:
     # How long a round waits for drafts made just in time for requests no table had drafts for; None =
     # decided per round by just_in_time_wait() from what they add and how long they took before; 0 = never.
     just_in_time_wait: float | None = None
+    # With tables and > 0: epochs of this many rounds drafted serially beside epochs with tables, keeping to
+    # the faster (DraftingMode, measured tokens per second; serial wins where tables come late). 0 = tables.
+    drafting_epoch: int = 0
     forced_acceptance: tuple[float, ...] | None = None  # benchmarks only: acceptance rate per draft position
     # Benchmarks of synthetic targets only: this share of lookups is made to hit by replacing the settled
     # bonus token with that of an entry for the same number of accepted drafts (the output is then not the
@@ -247,7 +251,10 @@ class Scheduler:
         self._hit_rate, self._tau = 0.5, 2.0
         self._table_sent_at = 0.0
         self._just_in_time_trip: float | None = None  # moving average, send to answer (or to giving up)
-        self._asked_just_in_time: set[str] = set()  # requests this round's just-in-time step asked drafts for
+        # Requests a "chains" step asked drafts for since the last table step: their table is asked for even
+        # when those drafts came late (the drafter kept the chain, or applied the tokens without drafting).
+        self._chains_asked: set[str] = set()
+        self._drafting = DraftingMode(config.drafting_epoch) if config.drafting_epoch > 0 else None
         self._unfinished: deque[tuple] = deque()  # verified rounds whose tokens are not streamed yet
         self._forcing = random.Random(0)  # forced_hit_rate's draws
         self._feature_columns: torch.Tensor | slice | None = None
@@ -412,7 +419,9 @@ class Scheduler:
         if not live:
             return
         caching = self.caching
+        tabling = caching and (self._drafting is None or self._drafting.mode == "tables")
         if caching:
+            await self._take_drafts_ahead(live)
             await self._draft_just_in_time(live)
             live = [r for r in live if r.live]  # the wait may have let aborts in
             if not live:
@@ -435,7 +444,7 @@ class Scheduler:
         # Until the worker has launched the verification, this thread keeps off the GIL it needs for that.
         await asyncio.wait((launched, verification), return_when=asyncio.FIRST_COMPLETED)
         self._finish_rounds()  # the last round's tokens go out while the GPU verifies this one
-        if caching:  # the tables for this verification's outcomes are drafted while it runs
+        if tabling:  # the tables for this verification's outcomes are drafted while it runs
             self._table_sent_at = time.perf_counter()
             sent = self._send_step(live, "tables", checking=batch.num_drafts)
         step = await verification
@@ -460,12 +469,31 @@ class Scheduler:
         self._unfinished.append((live, batch.num_drafts, step.tokens, settled))
         if self.speculating and not caching:
             self._in_flight = self._send_step([r for r in live if r.live], "serial")
+        elif caching:
+            self.metrics.drafting_rounds["tables" if tabling else "serial"].inc()
+            if self._drafting is not None:
+                self._drafting.record(sum(len(t) for t in step.tokens), time.perf_counter())
+                if self._drafting.mode == "serial":  # the next round's drafts, for what this one settled
+                    self._in_flight = self._send_step([r for r in live if r.live], "chains")
+
+    async def _take_drafts_ahead(self, live: list[Request]) -> None:
+        """A serial epoch's drafts: those of the step sent when the last round ended. The drafter kept each
+        chain, so a table can follow."""
+        sent, self._in_flight = self._in_flight, None
+        if sent is None:
+            return
+        result = await self.link.result(sent[0])
+        drafts = {} if result is None else self._read_drafts(result, sent[1])
+        for r in live:
+            if r.id in sent[1]:  # the drafter dropped any table entry: these drafts replace it
+                d = drafts.get(r.id)
+                found = d is not None and len(d.token_ids) > 0
+                r.next_drafts, r.next_branch = (d, CHAIN) if found else (None, None)
 
     async def _draft_just_in_time(self, live: list[Request]) -> None:
         """Drafts for the requests the last tables had none for (a miss, a late table, none asked for, a new
         request), when waiting for them pays. The drafter keeps each chain, so the table asked for while
         this round checks it covers its outcomes."""
-        self._asked_just_in_time = set()
         missing = [r for r in live if r.next_drafts is None and self._num_drafts(r)]
         if not missing:
             return
@@ -483,7 +511,6 @@ class Scheduler:
         if sent is None:
             self.metrics.just_in_time["declined"].inc(len(missing))
             return
-        self._asked_just_in_time = set(sent[1])  # their table is asked for even if these drafts come late
         sent_at = time.perf_counter()
         self._finish_rounds()  # the last round's tokens go out while the drafter drafts
         result = await self.link.result(sent[0], timeout=min(wait, self.link.step_timeout))
@@ -829,14 +856,13 @@ class Scheduler:
                 update.accepted.features.CopyFrom(features)
         wants: dict = {}
         if kind == "tables":
-            # A table needs tokens settled since the last one: sent now, or with this round's just-in-time
-            # step (the drafter then kept its chain, or applied the tokens without drafting).
+            # A table needs tokens settled since the last one: sent now, or with a "chains" step since.
             fresh = {r.id: start for r, start in sends}
             most = min(self.config.cache_branches, self.link.info.max_branches)
             checked = dict(zip((r.id for r in group), checking, strict=True))
             for r in told:
                 chain = r.next_branch == CHAIN
-                if (r.id in fresh or r.id in self._asked_just_in_time) and (k := self._num_drafts(r)):
+                if (r.id in fresh or r.id in self._chains_asked) and (k := self._num_drafts(r)):
                     want = self._want(step, r, k)
                     message = step.wants[-1]
                     message.num_branches = most
@@ -854,6 +880,10 @@ class Scheduler:
         future = self.link.send(step)
         if future is None:
             return None
+        if kind == "tables":
+            self._chains_asked = set()
+        elif kind == "chains":
+            self._chains_asked.update(wants)
         self._frees.clear()
         for r in told:
             r.drafter_len = len(r.tokens)
