@@ -15,7 +15,7 @@ import urllib.request
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from specwire.metrics import JUST_IN_TIME_RESULTS, LOOKUP_RESULTS
+from specwire.metrics import DRAFTING_MODES, JUST_IN_TIME_RESULTS, LOOKUP_RESULTS
 
 Scrape = dict[str, float]  # 'name' or 'name{label="value",...}' -> value
 
@@ -73,8 +73,9 @@ def round_split(delta: Delta, wall: float) -> dict[str, float | None]:
 
 def cache_hit_rate(delta: Delta) -> dict[str, float | None] | None:
     """Speculation-cache lookups by result and the hit share of those with a table to look in (unasked: none
-    was asked for), and what the drafts made just in time for requests without table drafts came to; None
-    when the verifier has no cache."""
+    was asked for), what the drafts made just in time for requests without table drafts came to, and the
+    rounds by drafting mode (serial: an adaptive verifier's serial epochs); None when the verifier has no
+    cache."""
     family = "specwire_spec_cache_lookups_total"
     counts = {r: delta.get("verifier", f'{family}{{result="{r}"}}') for r in LOOKUP_RESULTS}
     if all(v is None for v in counts.values()):
@@ -82,8 +83,10 @@ def cache_hit_rate(delta: Delta) -> dict[str, float | None] | None:
     total = sum(counts[r] or 0.0 for r in ("hit", "miss", "late"))
     family = "specwire_spec_cache_just_in_time_total"
     just_in_time = {r: delta.get("verifier", f'{family}{{result="{r}"}}') for r in JUST_IN_TIME_RESULTS}
+    family = "specwire_spec_cache_rounds_total"
+    rounds = {m: delta.get("verifier", f'{family}{{mode="{m}"}}') for m in DRAFTING_MODES}
     return {**counts, "hit_rate": (counts["hit"] or 0.0) / total if total else None,
-            "just_in_time": just_in_time}
+            "just_in_time": just_in_time, "rounds": rounds}
 
 
 def wire_bytes_per_step(delta: Delta) -> dict[str, float | None]:

@@ -40,6 +40,7 @@ def test_round_split_cache_and_bytes_from_two_scrapes():
                                    "draft": 0.5, "transport": 1.0, "host": 1.5, "not_verify": 3.0})
     cache = cache_hit_rate(delta)
     assert cache.pop("just_in_time") == {"drafted": 20.0, "undrafted": None, "late": None, "declined": None}
+    assert cache.pop("rounds") == {"tables": None, "serial": None}
     assert cache == pytest.approx({"hit": 75, "miss": 25, "late": None, "unasked": None, "hit_rate": 0.75})
     assert cache_hit_rate(Delta(before, before)) is None
     assert wire_bytes_per_step(delta) == {"sent": 50.0, "received": None}
