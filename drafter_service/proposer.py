@@ -347,6 +347,7 @@ class EagleProposer:
         steps = self.max_drafts if steps is None else max(steps, 1)
         confident = self._confident[:size]
         confident.zero_()
+        slot_rows = slots.long() if keep_chain else None  # index of the per-slot chain buffers
         for j in range(steps):
             logits = head.logits(hidden)
             if self.min_confidence and not self._count_confident(logits, confident, j, eager):
@@ -360,7 +361,7 @@ class EagleProposer:
             if sample.full_q is not None:
                 self._full_q[:size, j].copy_(sample.full_q)
             if keep_chain:
-                self._slot_draft_ids[:, j].index_copy_(0, slots.long(), sample.tokens)
+                self._slot_draft_ids[:, j].index_copy_(0, slot_rows, sample.tokens)
             elif j + 1 == steps:
                 break
             # Draft j + 1 is fed if a later draft needs it or, keeping the chain, if it is drafted and fits.
@@ -368,7 +369,7 @@ class EagleProposer:
             hidden = head(tokens[:, None], hidden[:, None], position, live.int(), slots, kc, vc,
                           own_features=True)[:, 0]
             if keep_chain:
-                self._slot_hidden[:, j].index_copy_(0, slots.long(), hidden)
+                self._slot_hidden[:, j].index_copy_(0, slot_rows, hidden)
             position = position + 1
 
     def _count_confident(self, logits: torch.Tensor, confident: torch.Tensor, step: int, eager: bool) -> bool:

@@ -10,7 +10,7 @@ estimate, the faster mode runs next, and every `explore_every`-th epoch runs the
 
 from __future__ import annotations
 
-MODES = ("tables", "serial")
+from specwire.metrics import DRAFTING_MODES as MODES  # ("tables", "serial"): the metric's labels too
 
 
 class DraftingMode:

@@ -483,12 +483,17 @@ class Scheduler:
         if sent is None:
             return
         result = await self.link.result(sent[0])
-        drafts = {} if result is None else self._read_drafts(result, sent[1])
-        for r in live:
-            if r.id in sent[1]:  # the drafter dropped any table entry: these drafts replace it
-                d = drafts.get(r.id)
-                found = d is not None and len(d.token_ids) > 0
-                r.next_drafts, r.next_branch = (d, CHAIN) if found else (None, None)
+        # The drafter dropped any table entry of these requests: their chains replace it.
+        self._take_chains([r for r in live if r.id in sent[1]], result, sent[1])
+
+    def _take_chains(self, rows: list[Request], result: dpb.DraftResult | None, wants: dict[str, Want]
+                     ) -> None:
+        """The drafts of a "chains" step become these requests' next drafts (None where it had none)."""
+        drafts = {} if result is None else self._read_drafts(result, wants)
+        for r in rows:
+            d = drafts.get(r.id)
+            found = d is not None and len(d.token_ids) > 0
+            r.next_drafts, r.next_branch = (d, CHAIN) if found else (None, None)
 
     async def _draft_just_in_time(self, live: list[Request]) -> None:
         """Drafts for the requests the last tables had none for (a miss, a late table, none asked for, a new
@@ -520,11 +525,8 @@ class Scheduler:
         if result is None:
             self.metrics.just_in_time["late"].inc(len(missing))
             return
-        drafts = self._read_drafts(result, sent[1])
+        self._take_chains(missing, result, sent[1])
         for r in missing:
-            d = drafts.get(r.id)
-            if d is not None and len(d.token_ids):
-                r.next_drafts, r.next_branch = d, CHAIN
             self.metrics.just_in_time["undrafted" if r.next_drafts is None else "drafted"].inc()
 
     def _cached_drafts(self, live: list[Request]) -> BatchDrafts:
