@@ -38,6 +38,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--max-len", type=int, default=768)
     p.add_argument("--steps", type=int, default=30, help="timed steps (after 5 warm-up steps)")
     p.add_argument("--profile-steps", type=int, default=3)
+    p.add_argument("--batch-tokens", default="8192", help="comma-separated --batch-tokens to compare")
     p.add_argument("--out")
     return p.parse_args()
 
@@ -61,9 +62,36 @@ def main() -> None:
     engine = TargetEngine(
         a.model, device=a.device, max_slots=256, max_context=1024, max_prefill_tokens=32768, aux_layers=aux
     )
+    vocab = engine.config.vocab_size
+    rng = random.Random(0)
+    data = []
+    for _ in range(a.conversations):
+        n = rng.randint(a.min_len, a.max_len)
+        data.append(Conversation([rng.randrange(vocab) for _ in range(n)], n // 3, "random"))
+    runs = [measure(engine, data, int(b), a) for b in a.batch_tokens.split(",")]
+    result = {
+        "command": "python bench/profile_train_step.py " + " ".join(sys.argv[1:]),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name() if engine.device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "commit": os.environ.get("SPECWIRE_COMMIT") or _git_commit(),
+        "model": a.model,
+        "runs": runs,
+    }
+    for run in runs:
+        print(run.pop("kernels") if not a.out else run["kernels"])
+    print(json.dumps({k: v for k, v in result.items() if k != "runs"}, indent=1))
+    print(json.dumps([{k: v for k, v in r.items() if k != "kernels"} for r in runs], indent=1))
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+def measure(engine: TargetEngine, data: list[Conversation], batch_tokens: int, a: argparse.Namespace) -> dict:
+    """One trainer (fresh head and optimizer) at --batch-tokens batch_tokens: step and feature-pass times."""
     train_args = argparse.ArgumentParser()
     add_arguments(train_args)
-    targs = train_args.parse_args(["--device", a.device])
+    targs = train_args.parse_args(["--device", a.device, "--batch-tokens", str(batch_tokens)])
     config = EagleHeadConfig.for_target(engine.config, "eagle3", targs.draft_vocab)
     head = EagleHead(config, shared_target_weights(engine.model), torch.float32, engine.device, 1024)
     head.init_weights(0)
@@ -72,44 +100,35 @@ def main() -> None:
     head.requires_grad_(False)
     for p in head.trainable_parameters().values():
         p.requires_grad_(True)
-    trainer = Trainer(head, engine, targs, cuda=engine.device.type == "cuda")
-    rng = random.Random(0)
-    data = []
-    for _ in range(a.conversations):
-        n = rng.randint(a.min_len, a.max_len)
-        data.append(Conversation([rng.randrange(vocab) for _ in range(n)], n // 3, "random"))
-    batches = [[data[i] for i in b] for b in trainer._batches(data, epoch=0)]
-    step = iter(batches * 10)
-    for _ in range(5):
-        trainer._train_step(next(step))
-    step_s = synced(lambda: [trainer._train_step(next(step)) for _ in range(a.steps)]) / a.steps
-    features_s = synced(lambda: [record_features(engine, next(step)) for _ in range(a.steps)]) / a.steps
     cuda = engine.device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    trainer = Trainer(head, engine, targs, cuda=cuda)
+    batches = [[data[i] for i in b] for b in trainer._batches(data, epoch=0)]
+    order = iter(batches * 100)
+    for _ in range(5):
+        trainer._train_step(next(order))
+    timed = [next(order) for _ in range(a.steps)]
+    step_s = synced(lambda: [trainer._train_step(b) for b in timed]) / a.steps
+    features_s = synced(lambda: [record_features(engine, b) for b in timed]) / a.steps
     activity = torch.profiler.ProfilerActivity.CUDA if cuda else torch.profiler.ProfilerActivity.CPU
     with torch.profiler.profile(activities=[activity]) as prof:
         for _ in range(a.profile_steps):
-            trainer._train_step(next(step))
+            trainer._train_step(next(order))
         sync()
-    table = prof.key_averages().table(sort_by="cuda_time_total" if cuda else "cpu_time_total", row_limit=40)
-    result = {
-        "command": "python bench/profile_train_step.py " + " ".join(sys.argv[1:]),
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "device": torch.cuda.get_device_name() if cuda else "cpu",
-        "torch": torch.__version__,
-        "commit": os.environ.get("SPECWIRE_COMMIT") or _git_commit(),
-        "model": a.model,
-        "batch_tokens": trainer.batch_tokens,
+    tokens = sum(len(c.tokens) for b in timed for c in b)
+    return {
+        "batch_tokens": batch_tokens,
         "batches": len(batches),
         "ms_per_step": round(step_s * 1e3, 2),
         "ms_record_features_per_step": round(features_s * 1e3, 2),
         "steps_per_s": round(1 / step_s, 2),
-        "kernels": table,
+        "tokens_per_s": round(tokens / (step_s * a.steps)),
+        "peak_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1) if cuda else None,
+        "kernels": prof.key_averages().table(
+            sort_by="cuda_time_total" if cuda else "cpu_time_total", row_limit=25
+        ),
     }
-    print(table)
-    print(json.dumps({k: v for k, v in result.items() if k != "kernels"}, indent=1))
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(result, f, indent=1)
 
 
 def _git_commit() -> str:
