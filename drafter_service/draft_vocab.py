@@ -11,6 +11,7 @@ from collections import Counter
 from collections.abc import Iterable
 
 import torch
+import torch.nn.functional as F
 
 
 def choose_draft_vocab(token_lists: Iterable[Iterable[int]], size: int, vocab: int) -> torch.Tensor:
@@ -48,7 +49,10 @@ def t2d_mask(draft_to_target: torch.Tensor, vocab: int) -> torch.Tensor:
     return mask
 
 
-def restricted_log_probs(target_logits: torch.Tensor, draft_to_target: torch.Tensor) -> torch.Tensor:
-    """The target's distribution restricted to the draft vocabulary and renormalised, as log-probabilities
-    [..., N] (the soft target of the draft head's forward KL)."""
-    return torch.log_softmax(target_logits.float()[..., draft_to_target], dim=-1)
+def restricted_log_probs(
+    hidden: torch.Tensor, lm_head_weight: torch.Tensor, draft_to_target: torch.Tensor
+) -> torch.Tensor:
+    """The target's distribution restricted to the draft vocabulary and renormalised, as float32
+    log-probabilities [..., N] (the soft target of the draft head's forward KL), from the target's final
+    hidden states [..., H]: only the draft vocabulary's rows of the output layer are computed (N of V)."""
+    return torch.log_softmax(F.linear(hidden, lm_head_weight[draft_to_target]).float(), dim=-1)

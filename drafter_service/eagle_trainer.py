@@ -212,24 +212,25 @@ class Trainer:
             rms = feats.pow(2).mean(-1, keepdim=True).sqrt()
             feats = feats + (torch.rand_like(feats) - 0.5) * 2 * noise * rms
         with torch.no_grad():
-            target_logits = self.engine.model.lm_head(x["target"].to(self.engine.dtype)).float()
+            hidden, lm_head = x["target"].to(self.engine.dtype), self.engine.model.lm_head
             if eagle3:
-                target_logp = restricted_log_probs(target_logits, head.draft_to_target)
+                target_logp = restricted_log_probs(hidden, lm_head.weight, head.draft_to_target)
             else:
-                target_logp = torch.log_softmax(target_logits, -1)
+                target_logp = torch.log_softmax(lm_head(hidden).float(), -1)
             target_p = target_logp.exp()
+            target_neg_entropy = (target_p * target_logp).sum(-1)
             target_top1 = target_logp.argmax(-1)
         total, result = 0.0, {}
         for j, out in enumerate(unroll(head, x["ids"], feats, self.args.ttt_steps)):
             m = step_mask(x["mask"], j).float()
             denom = m.sum().clamp_min(1.0)
-            logq = torch.log_softmax(head.logits(out), -1)
-            kl = (target_p * (target_logp - logq)).sum(-1)  # forward KL(p || q)
+            logits = head.logits(out)
+            kl = forward_kl(target_p, target_neg_entropy, logits)
             loss = ((kl * m).sum() / denom) * (1.0 if eagle3 else EAGLE1_TOKEN_LOSS_WEIGHT)
             if not eagle3:
                 feature = F.smooth_l1_loss(out.float(), x["target"], reduction="none").mean(-1)
                 loss = loss + FEATURE_LOSS_WEIGHT * (feature * m).sum() / denom
-            agree = ((logq.argmax(-1) == target_top1).float() * m).sum() / denom
+            agree = ((logits.argmax(-1) == target_top1).float() * m).sum() / denom
             result |= {f"loss_{j + 1}": loss.detach(), f"top1_{j + 1}": agree.detach()}
             total = total + self.args.ttt_decay**j * loss
         result["loss"], result["positions"] = total, x["mask"].sum()
@@ -262,6 +263,14 @@ class Trainer:
             for k, v in r.items():
                 sums[k] += float(v) * n
         return sums
+
+
+def forward_kl(
+    target_p: torch.Tensor, target_neg_entropy: torch.Tensor, logits: torch.Tensor
+) -> torch.Tensor:
+    """KL(p || softmax(logits)) per row, as sum p log p - p . logits + logsumexp(logits) (p sums to 1):
+    log q is never materialised, which saves a full [positions, vocabulary] pass forward and backward."""
+    return target_neg_entropy - (target_p * logits).sum(-1) + torch.logsumexp(logits, -1)
 
 
 def _metrics(sums: Counter, steps: int) -> dict[str, float]:

@@ -31,10 +31,13 @@ def test_d2t_and_t2d_are_the_published_offsets_and_mask():
 
 
 def test_restricted_log_probs_renormalise_the_target_over_the_draft_vocab():
-    logits = torch.randn(3, 12, generator=torch.Generator().manual_seed(0))
+    g = torch.Generator().manual_seed(0)
+    hidden, lm_head = torch.randn(3, 6, generator=g), torch.randn(12, 6, generator=g)
     ids = torch.tensor([0, 2, 3, 7, 11])
-    p = torch.softmax(logits, -1)[:, ids]
-    torch.testing.assert_close(restricted_log_probs(logits, ids).exp(), p / p.sum(-1, keepdim=True))
+    p = torch.softmax(hidden @ lm_head.T, -1)[:, ids]  # the full distribution, then restricted
+    restricted = restricted_log_probs(hidden, lm_head, ids)
+    assert restricted.dtype == torch.float32
+    torch.testing.assert_close(restricted.exp(), p / p.sum(-1, keepdim=True))
 
 
 def test_reduced_vocab_drafts_map_to_target_ids_and_stay_lossless(tmp_path):

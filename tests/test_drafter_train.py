@@ -7,10 +7,12 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 from specwire.drafter.eagle_head import load_eagle_head
+from specwire.drafter.eagle_trainer import forward_kl
 from specwire.drafter.self_distill import (
     cap_source_shares,
     normalise,
@@ -153,6 +155,18 @@ def test_train_eagle_smoke_writes_a_loadable_head(tiny_target, data_dir, tmp_pat
 def test_train_eagle_rejects_bad_budget(tiny_target, data_dir, tmp_path, capsys):
     rc = train_cli(tiny_target, data_dir, tmp_path, "--max-minutes", "0")
     assert rc == 2 and "--max-minutes must be > 0" in capsys.readouterr().err
+
+
+def test_forward_kl_is_the_kl_divergence_and_its_gradient_is_q_minus_p():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(5, 17, generator=g, dtype=torch.float64, requires_grad=True)
+    target_logp = torch.log_softmax(3 * torch.randn(5, 17, generator=g, dtype=torch.float64), -1)
+    p = target_logp.exp()
+    kl = forward_kl(p, (p * target_logp).sum(-1), logits)
+    reference = F.kl_div(torch.log_softmax(logits, -1), target_logp, log_target=True, reduction="none")
+    torch.testing.assert_close(kl, reference.sum(-1))
+    kl.sum().backward()
+    torch.testing.assert_close(logits.grad, torch.softmax(logits.detach(), -1) - p)
 
 
 def test_cap_source_shares_keeps_the_largest_mix_under_the_share():
