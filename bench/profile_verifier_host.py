@@ -64,7 +64,9 @@ COMPONENTS = [
     ("worker:     model step (eager forward, or graph prepare + replay)", "worker", ["_step"]),
     ("worker:   _sample (all)", "worker", ["_sample"]),
     ("worker:     rejection_sample", "worker", ["rejection_sample"]),
+    ("worker: _settle_round (rounds without drafts settle here)", "worker", ["_settle_round"]),
     ("loop: Scheduler._round (all, minus awaits)", "loop", ["_round"]),
+    ("loop:   _settle_round", "loop", ["_settle_round"]),
     ("loop:   _drafts_for", "loop", ["_drafts_for"]),
     ("loop:     read_result", "loop", ["read_result"]),
     ("loop:     batch_drafts", "loop", ["batch_drafts"]),
@@ -89,7 +91,7 @@ OWNERS = {  # function name -> a path fragment of its file, to tell apart same-n
     "_sample": "scheduler", "rejection_sample": "rejection_sampler",
     "_round": "scheduler", "_drafts_for": "scheduler", "read_result": "alignment",
     "batch_drafts": "alignment", "_settle": "scheduler", "_stream": "scheduler", "_send_step": "scheduler",
-    "_features": "scheduler",
+    "_features": "scheduler", "_settle_round": "scheduler",
     "send": "drafter_link", "_read": "drafter_link", "Generate": "verifier_service/server",
     "_reap": "scheduler", "Draft": "drafter_service/server", "next": "drafter_service/server",
     "run_step": "drafter_service/server", "_apply": "drafter_service/server",
@@ -177,8 +179,9 @@ def cpu_seconds(threads: dict[str, threading.Thread]) -> dict[str, float]:
 
 class RoundGaps:
     """Times, on the worker, from the end of one verification (its tokens read back) to the start of the
-    next: the host work between two rounds (the loop settling, streaming, launching the next round), which a
-    device would sit idle through. Wraps the scheduler's _verify_on_worker."""
+    next: the host work between two rounds (settling, streaming, launching the next round: on the loop, or
+    on the worker for rounds without drafts), which a device would sit idle through. Wraps the scheduler's
+    _verify_on_worker."""
 
     def __init__(self, scheduler):
         self.gaps: list[float] = []
