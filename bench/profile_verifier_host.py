@@ -64,7 +64,9 @@ COMPONENTS = [
     ("worker:     model step (eager forward, or graph prepare + replay)", "worker", ["_step"]),
     ("worker:   _sample (all)", "worker", ["_sample"]),
     ("worker:     rejection_sample", "worker", ["rejection_sample"]),
+    ("worker: _settle_round (rounds without drafts settle here)", "worker", ["_settle_round"]),
     ("loop: Scheduler._round (all, minus awaits)", "loop", ["_round"]),
+    ("loop:   _settle_round", "loop", ["_settle_round"]),
     ("loop:   _drafts_for", "loop", ["_drafts_for"]),
     ("loop:     read_result", "loop", ["read_result"]),
     ("loop:     batch_drafts", "loop", ["batch_drafts"]),
@@ -89,7 +91,7 @@ OWNERS = {  # function name -> a path fragment of its file, to tell apart same-n
     "_sample": "scheduler", "rejection_sample": "rejection_sampler",
     "_round": "scheduler", "_drafts_for": "scheduler", "read_result": "alignment",
     "batch_drafts": "alignment", "_settle": "scheduler", "_stream": "scheduler", "_send_step": "scheduler",
-    "_features": "scheduler",
+    "_features": "scheduler", "_settle_round": "scheduler",
     "send": "drafter_link", "_read": "drafter_link", "Generate": "verifier_service/server",
     "_reap": "scheduler", "Draft": "drafter_service/server", "next": "drafter_service/server",
     "run_step": "drafter_service/server", "_apply": "drafter_service/server",
@@ -153,10 +155,10 @@ def top_rows(stats: pstats.Stats, rounds: int, n: int) -> list[dict]:
             for (path, line, func), (_, nc, tt, ct, _) in rows[:n]]
 
 
-def verify_rounds(metrics: VerifierMetrics) -> int:
-    """Verifications so far (one observation of verify_step_seconds each)."""
-    samples = metrics.verify_step_time.collect()[0].samples
-    return int(next(s.value for s in samples if s.name.endswith("_count")))
+def verify_rounds(metrics: VerifierMetrics) -> tuple[int, float]:
+    """Verifications so far and their seconds on the worker (verify_step_seconds' count and sum)."""
+    samples = {s.name.rsplit("_", 1)[1]: s.value for s in metrics.verify_step_time.collect()[0].samples}
+    return int(samples["count"]), samples["sum"]
 
 
 def engine_step_ms(engine: TargetEngine, batch: int, iters: int = 200) -> tuple[float, float]:
@@ -177,8 +179,9 @@ def cpu_seconds(threads: dict[str, threading.Thread]) -> dict[str, float]:
 
 class RoundGaps:
     """Times, on the worker, from the end of one verification (its tokens read back) to the start of the
-    next: the host work between two rounds (the loop settling, streaming, launching the next round), which a
-    device would sit idle through. Wraps the scheduler's _verify_on_worker."""
+    next: the host work between two rounds (settling, streaming, launching the next round: on the loop, or
+    on the worker for rounds without drafts), which a device would sit idle through. Wraps the scheduler's
+    _verify_on_worker."""
 
     def __init__(self, scheduler):
         self.gaps: list[float] = []
@@ -249,7 +252,7 @@ def main() -> int:
     profiles = {name: cProfile.Profile(timer) for name in threads} if timer else {}
     metrics = server.metrics
     steps_before = metrics.num_draft_tokens._value.get(), metrics.num_accepted_tokens._value.get()
-    rounds_before = verify_rounds(metrics)
+    rounds_before, verify_before = verify_rounds(metrics)
     os_threads = {"loop": verifier_loop.thread, "worker": next(iter(scheduler._worker._threads))}
     cpu_before = cpu_seconds(os_threads)
     gaps = RoundGaps(scheduler)
@@ -261,7 +264,8 @@ def main() -> int:
     on_threads({name: threads[name] for name in profiles}, lambda name: profiles[name].disable())
 
     stats = {thread: pstats.Stats(prof) for thread, prof in profiles.items()}
-    rounds = verify_rounds(metrics) - rounds_before
+    rounds, verify_seconds = verify_rounds(metrics)
+    rounds, verify_seconds = rounds - rounds_before, verify_seconds - verify_before
     drafted = metrics.num_draft_tokens._value.get() - steps_before[0]
     accepted = metrics.num_accepted_tokens._value.get() - steps_before[1]
     summary = {
@@ -270,12 +274,13 @@ def main() -> int:
         "acceptance_rate": accepted / drafted if drafted else 0.0,
         **{f"cpu_ms_per_round_{name}": 1e3 * c / rounds for name, c in cpu.items()},
         "gap_ms_median": gaps.ms(0.5), "gap_ms_p90": gaps.ms(0.9),
+        "verify_ms_mean": 1e3 * verify_seconds / rounds,  # on the worker: forward, sampler, tokens read back
     }
     print(f"# {rounds} verify rounds, {tokens} tokens in {seconds:.2f} s ({tokens / seconds:.0f} tok/s, "
           f"{summary['ms_per_round_wall']:.2f} ms a round wall, {tokens / rounds:.2f} tokens a round); "
           f"timer: {args.timer} time per thread, ms per verify round")
     print(f"# between rounds (a verification's end to the next one's start): median {gaps.ms(0.5):.3f} ms, "
-          f"p90 {gaps.ms(0.9):.3f} ms")
+          f"p90 {gaps.ms(0.9):.3f} ms; a verification on the worker: {summary['verify_ms_mean']:.3f} ms mean")
     print("# CPU ms a round: " + ", ".join(f"{name} {1e3 * c / rounds:.3f}" for name, c in cpu.items()))
     if args.target_only:
         wall, cpu_ms = engine_step_ms(scheduler.engine, args.streams)

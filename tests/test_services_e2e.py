@@ -587,6 +587,25 @@ def test_greedy_with_serial_drafting_equals_target_only(world):
         assert v.counter(v.metrics.num_accepted_tokens) > 0
 
 
+def test_target_only_rounds_on_the_worker_hand_back_for_news(world):
+    """Without a drafter the engine thread runs round after round on its own: the output is still the
+    target's, a request that comes meanwhile is admitted at once (it ends while a long one still runs), and an
+    abort ends the long one's stream."""
+    v = Verifier(world.loop, world.checkpoint, world.tokenizer, None)
+    try:
+        greedy_equals_target_only(world, v, 8, seed=23)
+        request = pb.GenerateRequest(request_id="long", token_ids=pb.TokenIds(ids=[5, 6, 7]),
+                                     sampling=pb.SamplingParams(max_tokens=140, ignore_eos=True))
+        call = v.stub.Generate(request, timeout=60)
+        assert next(call).WhichOneof("event") == "chunk"
+        ids, _, complete = v.generate([8, 9, 10], max_tokens=4)
+        assert len(ids) == 4 and complete.finish_reason == pb.FINISH_REASON_LENGTH
+        assert v.stub.Abort(pb.AbortRequest(request_id="long")).found  # it was still generating
+        assert list(call)[-1].complete.finish_reason == pb.FINISH_REASON_ABORT
+    finally:
+        v.close()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_services_greedy_equals_target_only(world):

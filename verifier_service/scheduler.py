@@ -2,7 +2,10 @@
 
 One asyncio task runs the loop; model work runs on one worker thread so gRPC stays responsive. Each turn:
 free what finished or was aborted, prefill waiting requests into free slots, then verify the running
-requests and stream their new tokens. Speculation is an add-on that can vanish at any step: proposals are
+requests and stream their new tokens. Rounds that wait for no drafter answer (target-only, or the drafter
+gone) run back to back on the worker, which posts their tokens to the loop to stream and hands back only
+when the loop has news (`_wake`: a request came or left, the drafter connected) or a request finished: no
+two thread hand-offs a round. Speculation is an add-on that can vanish at any step: proposals are
 matched by request id (alignment.py) and a request without one is verified with 0 drafts.
 
 Speculation cache (cache_branches > 0 and a drafter that offers tables): the DraftStep of a round goes out
@@ -30,6 +33,7 @@ import secrets
 import time
 import uuid
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -144,7 +148,6 @@ class Request:
     tokens: list[int] = field(default_factory=list)  # prompt + output
     slot: int = -1
     features: FeatureRows | None = None
-    unsent_text: str = ""  # detokenised by _settle, not yet streamed
     drafter_len: int = 0
     next_drafts: Drafts | None = None  # from the speculation cache: the next verification's drafts
     next_branch: int | None = None  # the table entry they came from, or CHAIN
@@ -260,6 +263,8 @@ class Scheduler:
         self._feature_columns: torch.Tensor | slice | None = None
         self._feature_dtype = torch.float32
         self._readback = _Readback()  # the worker's feature table on its way to the host
+        # News for the scheduler (a request came or was aborted, the drafter connected, closing): wakes the
+        # idle loop, and ends the worker's run of target-only rounds. Cleared at each turn of the loop.
         self._wake = asyncio.Event()
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="verifier-engine")
         self._profiler = StepProfiler("verifier")
@@ -329,10 +334,12 @@ class Scheduler:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
+        self._wake.set()  # rounds running on the worker end, so that the shutdown does not wait for them
         self._worker.shutdown(wait=True)
 
     async def _run(self) -> None:
         while True:
+            self._wake.clear()
             self._reap()
             self.metrics.num_requests_running.set(len(self.running))
             self.metrics.num_requests_waiting.set(len(self.waiting))
@@ -341,7 +348,6 @@ class Scheduler:
             if not self.waiting and not self.running:
                 if self._frees and self.speculating:
                     self._send_step([], "serial")
-                self._wake.clear()
                 await self._wake.wait()
                 continue
             if self.waiting and self.engine.num_free_slots:
@@ -418,6 +424,9 @@ class Scheduler:
         live = [r for r in group if r.live]
         if not live:
             return
+        if not self.speculating:
+            await self._decode(live)
+            return
         caching = self.caching
         tabling = caching and (self._drafting is None or self._drafting.mode == "tables")
         if caching:
@@ -434,8 +443,8 @@ class Scheduler:
             live = [r for r in live if r.live]  # the wait may have let aborts in
             if not live:
                 return
-        if sent is None and self.config.num_speculative_tokens and self.link and not self.link.connected:
-            self.metrics.fallbacks["down"].inc()
+        if sent is None:
+            self._count_if_down()
         started = time.perf_counter()
         loop = asyncio.get_running_loop()
         launched = loop.create_future()
@@ -450,7 +459,22 @@ class Scheduler:
         step = await verification
         self._verify_seconds = time.perf_counter() - started
         tables = await self._tables(sent) if caching else None
-        wanted = sent[1] if caching and sent else {}
+        self._settle_round(live, batch.num_drafts, step, caching, tables, sent[1] if caching and sent else {})
+        if self.speculating and not caching:
+            self._in_flight = self._send_step([r for r in live if r.live], "serial")
+        elif caching:
+            self.metrics.drafting_rounds["tables" if tabling else "serial"].inc()
+            if self._drafting is not None:
+                self._drafting.record(sum(len(t) for t in step.tokens), time.perf_counter())
+                if self._drafting.mode == "serial":  # the next round's drafts, for what this one settled
+                    self._in_flight = self._send_step([r for r in live if r.live], "chains")
+
+    def _settle_round(self, live: list[Request], num_drafts: list[int], step: _Step, caching: bool = False,
+                      tables: dict[str, Table] | None = None, wanted: dict | None = None) -> None:
+        """A verification's tokens join their requests, and each asked-for table is looked up. Streaming
+        them and the metrics wait in _unfinished for the next verification's launch (or for the loop to have
+        nothing to launch): that work then overlaps the GPU instead of delaying it."""
+        wanted = wanted or {}
         settled = []
         for i, r in enumerate(live):
             if step.features is not None:
@@ -464,17 +488,30 @@ class Scheduler:
                     self._look_up(r, tables, step.tokens[i])
                 elif caching and r.live:
                     self.metrics.cache["unasked"].inc()
-        # Streaming the settled tokens and the metrics wait for the next verification's launch (or for the
-        # loop to have nothing to launch): that work then overlaps the GPU instead of delaying it.
-        self._unfinished.append((live, batch.num_drafts, step.tokens, settled))
-        if self.speculating and not caching:
-            self._in_flight = self._send_step([r for r in live if r.live], "serial")
-        elif caching:
-            self.metrics.drafting_rounds["tables" if tabling else "serial"].inc()
-            if self._drafting is not None:
-                self._drafting.record(sum(len(t) for t in step.tokens), time.perf_counter())
-                if self._drafting.mode == "serial":  # the next round's drafts, for what this one settled
-                    self._in_flight = self._send_step([r for r in live if r.live], "chains")
+        self._unfinished.append((live, num_drafts, step.tokens, settled))
+
+    async def _decode(self, live: list[Request]) -> None:
+        """Rounds without drafts, run back to back by the worker (_decode_on_worker)."""
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(self._worker, self._decode_on_worker, live,
+                                   lambda: loop.call_soon_threadsafe(self._finish_rounds))
+
+    def _decode_on_worker(self, live: list[Request], on_launch: Callable[[], None]) -> None:
+        """Verifies `live` without drafts and settles the tokens, round after round until the loop has news
+        (_wake), a request finishes or the drafter is back. Neither thread waits for the other between two
+        rounds: each launch posts the streaming of the rounds before it to the loop (on_launch)."""
+        none = BatchDrafts([[] for _ in live], None)
+        while True:
+            self._count_if_down()
+            self._settle_round(live, none.num_drafts, self._verify_on_worker(live, none, on_launch))
+            # What this thread reads of the loop's state (flags, lists) is written whole, under the GIL.
+            if self._wake.is_set() or self.speculating or not all(r.live for r in live):
+                return
+
+    def _count_if_down(self) -> None:
+        """A round verified without drafts because the drafter is gone is a fallback."""
+        if self.config.num_speculative_tokens and self.link is not None and not self.link.connected:
+            self.metrics.fallbacks["down"].inc()
 
     async def _take_drafts_ahead(self, live: list[Request]) -> None:
         """A serial epoch's drafts: those of the step sent when the last round ended. The drafter kept each
@@ -591,9 +628,9 @@ class Scheduler:
         now = time.perf_counter()
         while self._unfinished:
             live, num_drafts, tokens, settled = self._unfinished.popleft()
-            for r, new in settled:
+            for r, out in settled:
                 if r.finish_reason != "abort":  # aborted since it settled: the stream has ended already
-                    self._stream(r, new, now)
+                    self._stream(r, out, now)
             accepted = [len(t) - 1 for t in tokens]
             self.metrics.observe_verification(num_drafts, accepted)
             for r, drafted, taken in zip(live, num_drafts, accepted, strict=True):
@@ -636,25 +673,26 @@ class Scheduler:
         """Appends tokens up to the first that finishes the request, and streams them."""
         self._stream(r, self._settle(r, new_tokens), time.perf_counter())
 
-    def _settle(self, r: Request, new_tokens: list[int]) -> list[int]:
+    def _settle(self, r: Request, new_tokens: list[int]) -> Output:
         """Appends tokens up to the first that finishes the request (EOS, a stop string, a length limit) and
-        returns them. Only a request with stop strings needs their text now, token by token, to find the one
-        that stops it; the others are detokenised in _stream, all at once."""
-        settled = []
+        returns them with the finish reason. Only a request with stop strings needs their text now, token by
+        token, to find the one that stops it; the others are detokenised in _stream, all at once. The Output
+        holds all _stream needs: the worker may settle the next round before the loop streams this one."""
+        settled, text = [], ""
         for token in new_tokens:
             r.tokens.append(token)
             settled.append(token)
             if r.params.stop:
-                r.unsent_text += r.detokenizer.push([token])
+                text += r.detokenizer.push([token])
             if token in r.eos_ids or r.detokenizer.stopped:
                 r.finish_reason = "stop"
             elif r.num_output >= r.params.max_tokens or len(r.tokens) >= self.max_context:
                 r.finish_reason = "length"
             if r.finish_reason:
                 break
-        return settled
+        return Output(settled, text, r.finish_reason)
 
-    def _stream(self, r: Request, tokens: list[int], now: float) -> None:
+    def _stream(self, r: Request, out: Output, now: float) -> None:
         """Streams settled tokens with their text (the rest of it once the request finished)."""
         if r.first_token_at == 0.0:
             r.first_token_at = now
@@ -662,15 +700,15 @@ class Scheduler:
         else:
             self.metrics.inter_token_latency.observe(now - r.last_token_at)
         r.last_token_at = now
-        text, r.unsent_text = r.unsent_text, ""
+        text = out.text
         if not r.params.stop:
-            text += r.detokenizer.push(tokens)
-        if r.finish_reason:
+            text += r.detokenizer.push(out.token_ids)
+        if out.finish_reason:
             text += r.detokenizer.flush()
             if r.detokenizer.stopped:
                 r.matched_stop = self._matched_stop(r)
-        self.metrics.generation_tokens.inc(len(tokens))
-        r.outputs.put_nowait(Output(tokens, text, r.finish_reason))
+        self.metrics.generation_tokens.inc(len(out.token_ids))
+        r.outputs.put_nowait(Output(out.token_ids, text, out.finish_reason))
 
     def _matched_stop(self, r: Request) -> str:
         text = self.tokenizer.decode(r.tokens[len(r.prompt):])
