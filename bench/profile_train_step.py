@@ -12,9 +12,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import random
-import subprocess
 import sys
 import time
 
@@ -22,7 +20,7 @@ import torch
 from specwire.drafter.eagle_head import EagleHead, EagleHeadConfig, shared_target_weights
 from specwire.drafter.eagle_trainer import Trainer
 from specwire.drafter.self_distill import Conversation, record_features
-from specwire.drafter.train_eagle import add_arguments
+from specwire.drafter.train_eagle import add_arguments, code_commit
 
 from specwire.config import default_aux_layers
 from specwire.engine import TargetEngine
@@ -74,7 +72,7 @@ def main() -> None:
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name() if engine.device.type == "cuda" else "cpu",
         "torch": torch.__version__,
-        "commit": os.environ.get("SPECWIRE_COMMIT") or _git_commit(),
+        "commit": code_commit(),
         "model": a.model,
         "runs": runs,
     }
@@ -129,13 +127,6 @@ def measure(engine: TargetEngine, data: list[Conversation], batch_tokens: int, a
             sort_by="cuda_time_total" if cuda else "cpu_time_total", row_limit=25
         ),
     }
-
-
-def _git_commit() -> str:
-    try:
-        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True).strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 if __name__ == "__main__":

@@ -171,7 +171,7 @@ def run(args: argparse.Namespace) -> int:
     log = {
         "arch": args.arch,
         "command": " ".join(sys.argv),
-        "commit": _commit(),
+        "commit": code_commit(),
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "model": str(args.model or "default SmolLM2-135M-Instruct"),
         "data": data_log,
@@ -379,7 +379,7 @@ def _vocab_log(head: EagleHead, train: list[Conversation], held: list[Conversati
     }
 
 
-def _commit() -> str:
+def code_commit() -> str:
     """The code's commit (SPECWIRE_COMMIT where the tree travelled without .git)."""
     if os.environ.get("SPECWIRE_COMMIT"):
         return os.environ["SPECWIRE_COMMIT"]
