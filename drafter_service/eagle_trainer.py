@@ -3,9 +3,10 @@
 Per step: the target recomputes its features on a batch of conversations (token ids only are stored), the
 head is unrolled over its own outputs for --ttt-steps draft steps (drafter_service.ttt) and every step j is
 scored with weight decay**j against the target's next-token distribution: forward KL, for EAGLE-3 against
-the distribution restricted to the draft vocabulary and renormalised. EAGLE-1 adds its smooth-L1 regression
-onto the target's next feature. Batches come in a fixed order per (seed, epoch), so (epoch, batch index),
-the optimizer and the random state are the whole training position: resuming is exact.
+the distribution restricted to the draft vocabulary and renormalised, plus --tv-weight x (1 - sum min(p, q)).
+EAGLE-1 adds its smooth-L1 regression onto the target's next feature. Batches come in a fixed order per
+(seed, epoch), so (epoch, batch index), the optimizer and the random state are the whole training position:
+resuming is exact.
 """
 
 from __future__ import annotations
@@ -230,6 +231,10 @@ class Trainer:
             if not eagle3:
                 feature = F.smooth_l1_loss(out.float(), x["target"], reduction="none").mean(-1)
                 loss = loss + FEATURE_LOSS_WEIGHT * (feature * m).sum() / denom
+            if self.args.tv_weight or not torch.is_grad_enabled():  # the loss needs it, or an evaluation
+                accept = (overlap(target_p, logits) * m).sum() / denom
+                loss = loss + self.args.tv_weight * (1.0 - accept)
+                result[f"overlap_{j + 1}"] = accept.detach()
             agree = ((logits.argmax(-1) == target_top1).float() * m).sum() / denom
             result |= {f"loss_{j + 1}": loss.detach(), f"top1_{j + 1}": agree.detach()}
             total = total + self.args.ttt_decay**j * loss
@@ -273,14 +278,24 @@ def forward_kl(
     return target_neg_entropy - (target_p * logits).sum(-1) + torch.logsumexp(logits, -1)
 
 
+def overlap(target_p: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """sum min(p, q) per row, q = softmax(logits): the chance that a draft sampled from q is accepted
+    (T = 1), i.e. 1 - the total variation distance; the --tv-weight term raises it directly."""
+    return torch.minimum(target_p, torch.softmax(logits, -1)).sum(-1)
+
+
 def _metrics(sums: Counter, steps: int) -> dict[str, float]:
-    """Position-weighted losses and top-1 agreements per draft step, and the acceptance-length proxy
-    1 + a1 + a1 a2 + ... (k = 4 chain; a_j is step j's agreement given the earlier drafts were right)."""
+    """Position-weighted losses, top-1 agreements and (evaluations) overlaps per draft step, and the
+    acceptance-length proxies 1 + a1 + a1 a2 + ... (k = 4 chain; a_j is step j's top-1 agreement, or for
+    the T = 1 proxy its overlap, given the earlier drafts were accepted)."""
     metrics = {k: round(v / max(sums["n"], 1), 4) for k, v in sums.items() if k != "n"}
-    proxy, run = 1.0, 1.0
-    for j in range(1, PROXY_K + 1):
-        run *= metrics.get(f"top1_{min(j, steps)}", 0.0)
-        proxy += run
-    metrics["acceptance_length_proxy_k4"] = round(proxy, 3)
+    for rate, name in (("top1", "acceptance_length_proxy_k4"), ("overlap", "acceptance_length_proxy_k4_t1")):
+        if f"{rate}_1" not in metrics:
+            continue
+        proxy, run = 1.0, 1.0
+        for j in range(1, PROXY_K + 1):
+            run *= metrics[f"{rate}_{min(j, steps)}"]
+            proxy += run
+        metrics[name] = round(proxy, 3)
     metrics["positions"] = int(sums["n"])
     return metrics

@@ -9,8 +9,9 @@
 2. The draft vocabulary (EAGLE-3): the --draft-vocab tokens the target writes most in its training answers;
    train_log.json reports the share of response tokens it covers (training and held-out).
 3. Training (the rest of the budget; see eagle_trainer): training-time test over --ttt-steps draft steps,
-   forward KL to the target's distribution. With --checkpoint DIR the data and the training state are saved
-   there, and --resume continues a run exactly where it stopped (in a later session, too).
+   forward KL to the target's distribution (and --tv-weight x the total variation). With --checkpoint DIR
+   the data and the training state are saved there, and --resume continues a run exactly where it stopped
+   (in a later session, too).
 Always writes the head (config.json + model.safetensors, published key names, bf16) and train_log.json.
 """
 
@@ -110,6 +111,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--feature-noise", type=float, default=0.05, help="uniform noise on input features (x RMS)"
     )
+    p.add_argument(
+        "--tv-weight",
+        type=float,
+        default=0.0,
+        help="weight of a total-variation term 1 - sum min(p, q) beside the forward KL: it aims at sampled "
+        "(T = 1) acceptance directly (default 0: KL only)",
+    )
     p.add_argument("--draft-vocab", type=int, default=8192, help="EAGLE-3 draft vocabulary size")
     p.add_argument("--checkpoint", help="folder for the data and training checkpoints (resumable)")
     p.add_argument("--checkpoint-every", type=int, default=500, help="steps between checkpoints")
@@ -133,6 +141,8 @@ def _validate(args: argparse.Namespace) -> None:
         raise ValueError(f"--holdout must be in (0, 1), got {args.holdout}")
     if not 0 < args.max_source_share <= 1:
         raise ValueError(f"--max-source-share must be in (0, 1], got {args.max_source_share}")
+    if args.tv_weight < 0:
+        raise ValueError(f"--tv-weight must be >= 0, got {args.tv_weight}")
     if args.ttt_steps < 1:
         raise ValueError(f"--ttt-steps must be >= 1, got {args.ttt_steps}")
     if args.resume and not args.checkpoint:

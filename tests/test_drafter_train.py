@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 from specwire.drafter.eagle_head import load_eagle_head
-from specwire.drafter.eagle_trainer import forward_kl
+from specwire.drafter.eagle_trainer import forward_kl, overlap
 from specwire.drafter.self_distill import (
     cap_source_shares,
     normalise,
@@ -99,12 +99,13 @@ def data_dir(tmp_path_factory) -> Path:
     return root
 
 
-@pytest.mark.parametrize("arch", ["eagle1", "eagle3"])
-def test_train_eagle_smoke_writes_a_loadable_head(tiny_target, data_dir, tmp_path, capsys, arch):
+@pytest.mark.parametrize(("arch", "loss"), [("eagle1", []), ("eagle3", ["--tv-weight", "0.5"])])
+def test_train_eagle_smoke_writes_a_loadable_head(tiny_target, data_dir, tmp_path, capsys, arch, loss):
     out = tmp_path / "head"
     rc = train_cli(
         tiny_target, data_dir, out,
-        "--arch", arch,
+        "--arch", arch, *loss,
+        "--log-every", "1",
         "--max-minutes", "3",  # generous (a loaded 2-core CI machine): the 2 epochs end it early
         "--gen-fraction", "0.7",
         "--max-new-tokens", "12",
@@ -132,7 +133,9 @@ def test_train_eagle_smoke_writes_a_loadable_head(tiny_target, data_dir, tmp_pat
     assert gsm8k["train_prompts"] + gsm8k["held_out_prompts"] < gsm8k["available"]  # the cap did bind
     assert log["data"]["train_conversations"] == sum(c["train_conversations"] for c in counts.values())
     last = log["held_out"][-1]
-    assert 0.0 <= last["top1_1"] <= 1.0
+    assert 0.0 <= last["top1_1"] <= 1.0 and 0.0 <= last["overlap_1"] <= 1.0
+    assert 1.0 <= last["acceptance_length_proxy_k4_t1"] <= 5.0
+    assert ("overlap_1" in log["curve"][-1]) == bool(loss)  # training steps compute it only for the loss
     per_source = last["per_source"]
     assert set(per_source) == {name for name, c in counts.items() if c["held_out_conversations"]}
     assert all(0.0 <= m["top1_1"] <= 1.0 for m in per_source.values())
@@ -155,6 +158,15 @@ def test_train_eagle_smoke_writes_a_loadable_head(tiny_target, data_dir, tmp_pat
 def test_train_eagle_rejects_bad_budget(tiny_target, data_dir, tmp_path, capsys):
     rc = train_cli(tiny_target, data_dir, tmp_path, "--max-minutes", "0")
     assert rc == 2 and "--max-minutes must be > 0" in capsys.readouterr().err
+
+
+def test_overlap_is_one_minus_the_total_variation_distance():
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(4, 9, generator=g, dtype=torch.float64)
+    p = torch.softmax(2 * torch.randn(4, 9, generator=g, dtype=torch.float64), -1)
+    tv = 0.5 * (p - torch.softmax(logits, -1)).abs().sum(-1)
+    torch.testing.assert_close(overlap(p, logits), 1 - tv)
+    torch.testing.assert_close(overlap(p, p.log()), torch.ones(4, dtype=torch.float64))
 
 
 def test_forward_kl_is_the_kl_divergence_and_its_gradient_is_q_minus_p():
