@@ -8,7 +8,8 @@
 #   bash bench/train_eagle3_device.sh finish
 # start: joins the model, copies this tree to /root/work (the run outlives the call while the machine stays
 #   warm), launches train-eagle detached (setsid), continuing from the shipped head (--init-head) unless
-#   INIT=none, runs GPU_TESTS (pytest -m gpu) beside it, then follows its log until the call's 9th minute.
+#   INIT=none (TRAIN_ARGS: more train-eagle flags, e.g. "--batch-tokens 32768 --tv-weight 0.5"), runs
+#   GPU_TESTS (pytest -m gpu) beside it, then follows its log until the call's 9th minute.
 # follow: follows the log, with a py-spy profile of the trainer; finish: waits for the end, benches both
 #   heads at T = 0 and T = 1 on the committed held-out chat set, copies the head and logs to $OUT.
 # .data holds prompts/*.jsonl (../shared/data) and chat_prompts.npz (python -m specwire.drafter.sharegpt).
@@ -40,7 +41,7 @@ start)
         --chat-prompts .data/chat_prompts.npz --out $R/head --checkpoint $R/ckpt --device cuda $init \
         --max-minutes ${MINUTES:-15} --gen-fraction ${GEN_FRACTION:-0.25} --gen-batch 256 \
         --self-instruct ${SELF_INSTRUCT:-4000} --lr ${LR:-6e-4} --draft-vocab ${DRAFT_VOCAB:-8192} \
-        > $R/train.log 2>&1; echo \$? > $R/exit_code" < /dev/null &
+        ${TRAIN_ARGS:-} > $R/train.log 2>&1; echo \$? > $R/exit_code" < /dev/null &
     if [ -n "${GPU_TESTS:-}" ]; then
         python3 -m pytest -q -m gpu $GPU_TESTS 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
     fi
