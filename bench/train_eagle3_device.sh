@@ -79,7 +79,7 @@ print(path, d["mean_acceptance_length"], d["acceptance_per_position"])
 PY
         done
     done
-    cp $R/head/config.json $R/head/train_log.json $R/train.log "$OUT"/
+    cp $R/head/config.json $R/head/train_log.json "$OUT"/  # 8 files come back: 4 benches, these, 2 parts
     split -b 15000000 $R/head/model.safetensors "$OUT"/model.safetensors.part.  # 16 MiB a file comes back
     ls -la "$OUT"
     ;;
