@@ -41,7 +41,9 @@ def reference() -> dict:
 def server_address():
     log_dir = Path(tempfile.mkdtemp(prefix="specwire-node-client-"))
     drafter = start("drafter", ["drafter", "--device", "cpu"], log_dir)
-    verifier = start("verifier", ["verifier", "--device", "cpu", "--k", str(K),
+    # Serial drafting, as `specwire demo` runs on a CPU: each round waits for its drafts, so even a short
+    # answer is speculative on a loaded machine (tables drafted on the verification's cores come late).
+    verifier = start("verifier", ["verifier", "--device", "cpu", "--k", str(K), "--cache-branches", "0",
                                   "--drafter", f"127.0.0.1:{drafter.port}"], log_dir)
     try:
         wait_serving([drafter, verifier], timeout=120)
