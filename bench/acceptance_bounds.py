@@ -24,7 +24,7 @@ import time
 
 import torch
 from specwire.drafter.eagle_head import load_eagle_head, shared_target_weights
-from specwire.drafter.eagle_trainer import Trainer
+from specwire.drafter.eagle_trainer import Trainer, chain_length
 from specwire.drafter.self_distill import Prompt, distill, record_features
 from specwire.drafter.train_eagle import DEFAULT_OUT, add_arguments, code_commit
 from specwire.drafter.ttt import step_mask, unroll
@@ -107,13 +107,7 @@ def main() -> None:
     per_step = {
         name: [round(s / max(n, 1), 4) for s, n in zip(v, positions, strict=True)] for name, v in sums.items()
     }
-    proxy = {}
-    for name, rates in per_step.items():
-        run, total = 1.0, 1.0
-        for r in rates:
-            run *= r
-            total += run
-        proxy[name] = round(total, 3)
+    proxy = {name: round(chain_length(rates), 3) for name, rates in per_step.items()}
     result = {
         "command": "python bench/acceptance_bounds.py " + " ".join(sys.argv[1:]),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),

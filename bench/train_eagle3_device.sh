@@ -10,7 +10,7 @@
 #   warm), launches train-eagle detached (setsid), continuing from the shipped head (--init-head) unless
 #   INIT=none (TRAIN_ARGS: more train-eagle flags, e.g. "--batch-tokens 32768 --tv-weight 0.5"), runs
 #   GPU_TESTS (pytest -m gpu) beside it, then follows its log until the call's 9th minute.
-# follow: follows the log, with a py-spy profile of the trainer; finish: waits for the end, benches both
+# follow: follows the log (a trainer profile: bench/profile_train_step.py); finish: waits for the end, benches both
 #   heads at T = 0 and T = 1 on the committed held-out chat set, copies the head and logs to $OUT.
 # .data holds prompts/*.jsonl (../shared/data) and chat_prompts.npz (python -m specwire.drafter.sharegpt).
 set -uo pipefail
@@ -48,10 +48,6 @@ start)
     follow "${FOLLOW:-530}"
     ;;
 follow)
-    cd $W && source bench/device_env.sh >/dev/null && export PATH=/tmp/site/bin:$PATH
-    pid=$(pgrep -f "specwire train-eagle" | head -1)
-    [ -n "$pid" ] && py-spy record --pid "$pid" --duration 20 --rate 50 --format raw --nonblocking \
-        --output "$OUT/trainer_pyspy.txt" >/dev/null 2>&1
     nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv
     follow "${FOLLOW:-560}"
     ;;

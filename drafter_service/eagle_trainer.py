@@ -284,18 +284,24 @@ def overlap(target_p: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
     return torch.minimum(target_p, torch.softmax(logits, -1)).sum(-1)
 
 
+def chain_length(rates: list[float]) -> float:
+    """Expected tokens a round of a draft chain yields, 1 + a1 + a1 a2 + ..., for each draft step's rate of
+    acceptance given the earlier drafts were accepted (steps taken as independent)."""
+    total, run = 1.0, 1.0
+    for rate in rates:
+        run *= rate
+        total += run
+    return total
+
+
 def _metrics(sums: Counter, steps: int) -> dict[str, float]:
     """Position-weighted losses, top-1 agreements and (evaluations) overlaps per draft step, and the
     acceptance-length proxies 1 + a1 + a1 a2 + ... (k = 4 chain; a_j is step j's top-1 agreement, or for
     the T = 1 proxy its overlap, given the earlier drafts were accepted)."""
     metrics = {k: round(v / max(sums["n"], 1), 4) for k, v in sums.items() if k != "n"}
     for rate, name in (("top1", "acceptance_length_proxy_k4"), ("overlap", "acceptance_length_proxy_k4_t1")):
-        if f"{rate}_1" not in metrics:
-            continue
-        proxy, run = 1.0, 1.0
-        for j in range(1, PROXY_K + 1):
-            run *= metrics[f"{rate}_{min(j, steps)}"]
-            proxy += run
-        metrics[name] = round(proxy, 3)
+        if f"{rate}_1" in metrics:
+            rates = [metrics[f"{rate}_{min(j, steps)}"] for j in range(1, PROXY_K + 1)]
+            metrics[name] = round(chain_length(rates), 3)
     metrics["positions"] = int(sums["n"])
     return metrics
