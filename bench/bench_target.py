@@ -22,7 +22,7 @@ import torch
 from shapes import SHAPES  # bench/shapes.py: scripts run as `python bench/<name>.py`
 
 from specwire.default_model import default_model_path
-from specwire.engine import TargetEngine, default_dtype, parse_device
+from specwire.engine import TargetEngine, default_dtype, device_scope, parse_device
 from specwire.sampling_params import SamplingParams
 from specwire.weights import checkpoint_shapes
 
@@ -254,7 +254,8 @@ def main() -> int:
         bandwidth = copy_bandwidth(device)
         nbytes = weight_bytes(engine)
         floor_ms = nbytes / bandwidth * 1e3
-        steps = step_times(engine, step_batches, args.context, args.step_repeats)
+        with device_scope(engine.device):  # the graphs' host-block copy and event live on the engine's GPU
+            steps = step_times(engine, step_batches, args.context, args.step_repeats)
         report["decode_step"] = {
             "context": args.context, "weight_bytes": nbytes, "copy_bandwidth_bytes_per_s": bandwidth,
             "floor_ms": floor_ms, "steps": {str(b): s for b, s in steps.items()},

@@ -10,8 +10,9 @@
 #   warm), launches train-eagle detached (setsid), continuing from the shipped head (--init-head) unless
 #   INIT=none (TRAIN_ARGS: more train-eagle flags, e.g. "--batch-tokens 32768 --tv-weight 0.5"), runs
 #   GPU_TESTS (pytest -m gpu) beside it, then follows its log until the call's 9th minute.
-# follow: follows the log (a trainer profile: bench/profile_train_step.py); finish: waits for the end, benches both
-#   heads at T = 0 and T = 1 on the committed held-out chat set, copies the head and logs to $OUT.
+# follow: follows the log (a trainer profile: bench/profile_train_step.py), and brings the head back if the run has
+#   ended (a machine released between calls loses it); finish: waits for the end, benches both heads at T = 0
+#   and T = 1 on the committed held-out chat set, copies the head and logs to $OUT.
 # .data holds prompts/*.jsonl (../shared/data) and chat_prompts.npz (python -m specwire.drafter.sharegpt).
 set -uo pipefail
 W=/root/work M=/root/m R=/root/run
@@ -23,6 +24,11 @@ follow() {  # print the log's progress until the trainer ends or the call has ru
     while [ $SECONDS -lt "$1" ] && [ ! -f $R/exit_code ]; do
         sleep 20; tail -c 600 $R/train.log | tr '\r' '\n' | grep -v '^$' | tail -2
     done
+}
+
+collect() {  # the head and its log to $OUT: 4 files (of the 8 that come back), model split at 15 MB
+    cp $R/head/config.json $R/head/train_log.json "$OUT"/
+    split -b 15000000 $R/head/model.safetensors "$OUT"/model.safetensors.part.
 }
 
 case "$1" in
@@ -50,6 +56,7 @@ start)
 follow)
     nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv
     follow "${FOLLOW:-560}"
+    [ -f $R/exit_code ] && [ -f $R/head/model.safetensors ] && collect && ls -la "$OUT"
     ;;
 finish)
     cd $W && source bench/device_env.sh >/dev/null
@@ -75,8 +82,6 @@ print(path, d["mean_acceptance_length"], d["acceptance_per_position"])
 PY
         done
     done
-    cp $R/head/config.json $R/head/train_log.json "$OUT"/  # 8 files come back: 4 benches, these, 2 parts
-    split -b 15000000 $R/head/model.safetensors "$OUT"/model.safetensors.part.  # 16 MiB a file comes back
-    ls -la "$OUT"
+    collect && ls -la "$OUT"
     ;;
 esac
