@@ -56,7 +56,7 @@ start)
 follow)
     nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv
     follow "${FOLLOW:-560}"
-    [ -f $R/exit_code ] && [ -f $R/head/model.safetensors ] && collect && ls -la "$OUT"
+    if [ -f $R/exit_code ] && [ -f $R/head/model.safetensors ]; then collect && ls -la "$OUT"; fi
     ;;
 finish)
     cd $W && source bench/device_env.sh >/dev/null
