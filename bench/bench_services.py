@@ -59,6 +59,13 @@ def hit_rate(text: str) -> HitRate:
     return "off" if text.strip() == "off" else float(text)
 
 
+def cache_setting(text: str) -> HitRate:
+    """A real head's speculation cache: 'on' (the verifier's defaults) or 'off' (--cache-branches 0)."""
+    if text.strip() not in ("on", "off"):
+        raise argparse.ArgumentTypeError(f"a cache setting is 'on' or 'off', got {text!r}")
+    return None if text.strip() == "on" else "off"
+
+
 def csv(kind: Callable[[str], object]) -> Callable[[str], list]:
     """An argparse type: comma-separated values, each converted by `kind` (empty text: an empty list)."""
     return lambda text: [kind(x) for x in text.split(",") if x.strip()]
@@ -82,6 +89,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="the synthetic workload's speculation cache, first = first measured: R = "
                         "--forced-hit-rate R (a random head never guesses the bonus token itself), 'off' = "
                         "--cache-branches 0, serial drafting (default 0.8,off)")
+    p.add_argument("--smollm2-cache", type=csv(cache_setting), default=[None, "off"],
+                   help="the smollm2 workload's speculation cache, first = first measured: on = the "
+                        "verifier's defaults, off = --cache-branches 0, serial drafting (default on,off)")
     p.add_argument("--prompts", default=str(DEFAULT_PROMPTS), help="JSONL prompt file")
     p.add_argument("--prompt-source", default="",
                    help="keep rows whose 'source' starts with this ('' = all; rows without one are kept)")
@@ -123,7 +133,7 @@ def workloads(args: argparse.Namespace) -> list[Workload]:
     for name in args.workloads:
         if name == "smollm2":
             out.append(Workload("smollm2", str(resolve_model_path(args.model)), args.head, (None,),
-                                tuple(shlex.split(args.verifier_args))))
+                                tuple(shlex.split(args.verifier_args)), tuple(args.smollm2_cache)))
         elif name == "synthetic":
             shape = args.synthetic_shape
             out.append(Workload(f"synthetic-{shape}", f"synthetic:{shape}", None, tuple(args.lengths),
@@ -287,7 +297,7 @@ def report(w: Workload, rows: list[dict], skipped: list[dict], header: dict) -> 
         results.append({k: v for k, v in (r | extra).items() if not k.startswith("_")})
     head = w.head or ("random EAGLE-1 (synthetic)" if w.synthetic else "default")
     lengths = list(w.lengths) if w.synthetic else None
-    hits = list(w.hit_rates) if w.synthetic else None
+    hits = list(w.hit_rates)
     return {**header, "workload": w.name, "model": w.model, "head": head,
             "verifier_args": list(w.verifier_args),
             "forced_acceptance_lengths": lengths, "forced_hit_rates": hits, "results": results,

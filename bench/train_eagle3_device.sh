@@ -21,6 +21,8 @@ PROMPTS=bench/data/heldout_chat_sharegpt.jsonl
 SHIPPED=drafter_service/heads/smollm2-135m-eagle
 
 follow() {  # print the log's progress until the trainer ends or the call has run $1 seconds
+    # a fresh machine (the last one went back) has no run: say so at once instead of waiting out the call
+    [ -f $R/train.log ] || { echo "no run on this machine ($R/train.log missing): it was released"; exit 4; }
     while [ $SECONDS -lt "$1" ] && [ ! -f $R/exit_code ]; do
         sleep 20; tail -c 600 $R/train.log | tr '\r' '\n' | grep -v '^$' | tail -2
     done
