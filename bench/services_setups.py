@@ -21,7 +21,9 @@ from pathlib import Path
 from specwire.commands.demo import Service, free_port, start, stop, wait_drafter_connected, wait_serving
 
 SETUPS = ("two_gpus", "colocated", "target_only", "transformers")
-HitRate = float | str | None  # a forced speculation-cache hit rate, "off" (no cache) or None (the defaults)
+# a forced speculation-cache hit rate, "off" (no cache), "adaptive" (tables or serial, measured) or None
+HitRate = float | str | None
+ADAPTIVE_EPOCH = 16  # rounds per drafting-mode epoch: a bench point runs a few hundred rounds
 
 
 class SetupUnavailable(RuntimeError):
@@ -107,6 +109,7 @@ class Fleet:
         if setup != "target_only":
             argv += [*(["--forced-acceptance-length", str(length)] if length is not None else []),
                      *(["--cache-branches", "0"] if hit == "off" else []),
+                     *(["--drafting-epoch", str(ADAPTIVE_EPOCH)] if hit == "adaptive" else []),
                      *(["--forced-hit-rate", str(hit)] if isinstance(hit, float) else []), *w.verifier_args]
         service = self._start(f"verifier-{w.name}-{setup}-k{k}-L{length}-hit{hit}", argv)
         if setup == "two_gpus" and not wait_drafter_connected(service.port, 120):
