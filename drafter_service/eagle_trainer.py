@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from specwire.drafter.draft_vocab import restricted_log_probs
-from specwire.drafter.eagle_head import EagleHead
+from specwire.drafter.eagle_head import EagleHead, save_eagle_head
 from specwire.drafter.self_distill import Conversation, Sample, record_features
 from specwire.drafter.train_state import load_train_state, save_train_state
 from specwire.drafter.ttt import step_mask, unroll
@@ -79,6 +79,11 @@ class Trainer:
             "sessions": self.sessions,
         }
         save_train_state(path, self.params, self.optimizer, self.head.draft_to_target, meta)
+        # The head so far, loadable as it stands: a run cut off with its machine still leaves a head.
+        last = {k: v for k, v in self.history[-1].items() if k != "per_source"} if self.history else None
+        save_eagle_head(self.head, Path(path).with_name(Path(path).name + "-head"),
+                        extra={"target_tokenizer": self.engine.tokenizer.fingerprint, "step": self.step,
+                               "held_out": last})
 
     def restore(self, path: str | Path) -> None:
         meta = load_train_state(path, self.params, self.optimizer, self.head.draft_to_target)

@@ -289,14 +289,20 @@ def test_resume_from_checkpoint_equals_an_uninterrupted_run(tiny_target, data_di
     a, b = (load_file(tmp_path / d / "model.safetensors") for d in ("a", "b"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert log_b["draft_vocab"]["size"] == 256 and 0 < log_b["draft_vocab"]["train_response_coverage"] <= 1
-    # A warm start from the finished head (the checkpoint left behind): its vocabulary and weights, moved on.
+    # Every checkpoint also leaves the head so far beside it (a run whose machine is lost still has a head):
+    # the last one is the finished head, and its config says at which step it was written.
+    so_far = tmp_path / "ck_a" / "state-head"
+    saved = load_file(so_far / "model.safetensors")
+    assert saved.keys() == a.keys() and all(torch.equal(saved[k], a[k]) for k in a)
+    assert json.loads((so_far / "config.json").read_text())["specwire"]["step"] == 7
+    # A warm start from that head: its vocabulary and weights, moved on.
     assert (
         _train(
             tiny_target,
             data_dir,
             tmp_path / "d",
             "--init-head",
-            str(tmp_path / "a"),
+            str(so_far),
             "--stop-after-steps",
             "1",
         )
