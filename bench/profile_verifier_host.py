@@ -101,14 +101,16 @@ OWNERS = {  # function name -> a path fragment of its file, to tell apart same-n
 
 
 def start_verifier(loop: Loop, checkpoint, tokenizer, drafter_port: int | None, device: str, k: int,
-                   max_slots: int) -> tuple[VerifierServer, generation_pb2_grpc.GenerationStub]:
+                   max_slots: int, cache_branches: int = SchedulerConfig.cache_branches
+                   ) -> tuple[VerifierServer, generation_pb2_grpc.GenerationStub]:
     """As `specwire verifier` builds it: CUDA graphs for decode and for verify rows of 1 + k tokens.
     drafter_port None: target-only."""
     engine = TargetEngine(checkpoint=checkpoint, device=device, dtype=torch.float32, max_slots=max_slots,
                           max_context=MAX_CONTEXT, max_verify_tokens=k + 1)
     drafter = None if drafter_port is None else f"127.0.0.1:{drafter_port}"
     settings = VerifierSettings(drafter=drafter, step_timeout=5.0, model_name="tiny",
-                                scheduler=SchedulerConfig(num_speculative_tokens=k, max_waiting=64))
+                                scheduler=SchedulerConfig(num_speculative_tokens=k, max_waiting=64,
+                                                          cache_branches=cache_branches))
 
     async def start() -> tuple[VerifierServer, int]:  # grpc.aio objects belong to the loop they are made on
         server = VerifierServer(grpc_common.ServerOptions(listen="127.0.0.1:0"), settings, VerifierMetrics())
@@ -214,6 +216,8 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=96, help=f"per request (prompt + this <= {MAX_CONTEXT})")
     p.add_argument("--k", type=int, default=3)
     p.add_argument("--target-only", action="store_true", help="no drafter: k = 0, every round a decode step")
+    p.add_argument("--cache-branches", type=int, default=SchedulerConfig.cache_branches,
+                   help="the verifier's --cache-branches (0: serial drafting, each round waits for drafts)")
     p.add_argument("--timer", choices=("cpu", "wall", "off"), default="cpu")
     p.add_argument("--switch-interval", type=float, default=grpc_common.DEFAULT_SWITCH_INTERVAL,
                    help="sys.setswitchinterval, as the services set it (default %(default)s s)")
@@ -237,7 +241,8 @@ def main() -> int:
         drafter_loop = Loop()
         drafter = Drafter(drafter_loop, checkpoint, tokenizer.fingerprint, device=args.drafter_device)
     server, stub = start_verifier(verifier_loop, checkpoint, tokenizer, drafter and drafter.port,
-                                  args.verifier_device, args.k, max_slots=max(16, args.streams))
+                                  args.verifier_device, args.k, max_slots=max(16, args.streams),
+                                  cache_branches=args.cache_branches)
     scheduler = server.scheduler
     deadline = time.time() + 30
     while drafter and not scheduler.speculating:

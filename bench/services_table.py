@@ -3,7 +3,8 @@
     python bench/services_table.py bench/results/services_h200x2.json [--temperature T] [--setups A,B]
 
 One row per point: setup, k, forced length, batch, tokens/s, speedup over target-only and its ideal
-(tau * t_target / t_verify), mean acceptance length, TTFT p50, inter-chunk latency p50 / p99, a verification
+(tau * t_target / t_verify), mean acceptance length (rounds with drafts), tokens per verification (all
+rounds), TTFT p50, inter-chunk latency p50 / p99, a verification
 step's split (verify / draft / transport / host, ms), GPU busy shares and drafter-link bytes per step.
 """
 
@@ -29,6 +30,7 @@ def row(r: dict) -> list[str]:
         str(r["forced_hit_rate"]) if r.get("forced_hit_rate") is not None else "—", fmt(r["batch"], "d"),
         fmt(r["tokens_per_s"], ",.0f"), fmt(r.get("speedup"), ".2f", "x"),
         fmt(r.get("ideal_speedup"), ".2f", "x"), fmt(r.get("mean_acceptance_length"), ".2f"),
+        fmt(tokens_per_verification(r), ".2f"),
         fmt((r.get("ttft_ms") or {}).get("p50"), ".1f"),
         f"{fmt(itl.get('p50'), '.2f')} / {fmt(itl.get('p99'), '.2f')}",
         " / ".join(fmt(split.get(k), ".2f") for k in ("verify", "draft", "transport", "host")),
@@ -37,7 +39,14 @@ def row(r: dict) -> list[str]:
     ]
 
 
-HEADER = ["setup", "k", "L", "hit", "batch", "tok/s", "speedup", "ideal", "tau", "TTFT p50 ms",
+def tokens_per_verification(r: dict) -> float | None:
+    """Decode tokens a request gains per verification, rounds without drafts included (tau counts only the
+    rounds that had drafts: with late speculation-cache tables the two differ widely)."""
+    steps = (r.get("round_ms") or {}).get("steps")
+    return (r["tokens"] - r["requests"]) / (steps * r["batch"]) if steps else None
+
+
+HEADER = ["setup", "k", "L", "hit", "batch", "tok/s", "speedup", "ideal", "tau", "tok/verif.", "TTFT p50 ms",
           "ITL p50 / p99 ms", "step: verify / draft / transport / host ms", "GPU busy",
           "bytes/step sent / recv"]
 
