@@ -1,5 +1,6 @@
 """bench/bench_services.py on the CPU: a smoke run of the harness on the tiny synthetic shape, and its
-arithmetic (percentiles, a round's time split, the cache hit rate, bytes per step) on made-up scrapes."""
+arithmetic (percentiles, a round's time split, the cache hit rate, bytes per step) on made-up scrapes; and
+short runs of bench/bench_link_round_trip.py."""
 
 import json
 import subprocess
@@ -69,3 +70,21 @@ def test_the_harness_runs_the_setups_side_by_side_on_the_cpu(tmp_path):
     assert spec["round_ms"]["verify"] > 0 and spec["round_ms"]["draft"] > 0
     assert spec["wire_bytes_per_step"]["sent"] > 0 and spec["ttft_ms"]["p50"] > 0
     assert "colocated" in rows or [s["setup"] for s in report["skipped"]] == ["colocated"]
+
+
+@pytest.mark.parametrize("mode", [[], ["--bare-grpc"]])
+def test_the_link_benchmark_times_real_round_trips(tmp_path, mode):
+    """bench/bench_link_round_trip.py: every step answered (it asserts so), and through specwire the way out,
+    the step and the way back add up to the round trip."""
+    out = tmp_path / "link.json"
+    argv = [sys.executable, str(BENCH / "bench_link_round_trip.py"), "--steps", "40", "--warmup", "5",
+            "--out", str(out), *mode]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    got = json.loads(out.read_text())
+    assert got["steps"] == 40 and got["bare_grpc"] == bool(mode)
+    assert 0 < got["round_trip"]["p50_ms"] <= got["round_trip"]["p90_ms"] < 5000
+    if not mode:
+        parts = sum(got[k]["mean_ms"] for k in ("way_out", "step", "way_back"))
+        assert parts == pytest.approx(got["round_trip"]["mean_ms"])
+        assert all(got[k]["p50_ms"] > 0 for k in ("way_out", "step", "way_back"))
