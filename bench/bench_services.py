@@ -158,8 +158,8 @@ Job = tuple[Workload, str, int, float | None, HitRate, list[int]]
 
 def jobs(args: argparse.Namespace, ws: list[Workload]) -> list[Job]:
     """The configurations in the order they run: target-only first (every speedup needs it), then two GPUs
-    at the first length and cache setting, the other lengths, the other cache settings, co-located,
-    transformers, the k sweep."""
+    at the first length and cache setting, the other lengths, the other cache settings, co-located (each
+    cache setting), transformers, the k sweep."""
     out = []
     two, co = "two_gpus" in args.setups, "colocated" in args.setups
     for phase in range(7):
@@ -174,9 +174,10 @@ def jobs(args: argparse.Namespace, ws: list[Workload]) -> list[Job]:
             if phase == 3 and two:
                 out += [(w, "two_gpus", k, length, h, args.batch_sizes)
                         for h in w.hit_rates[1:] for k in args.ks]
-            if phase == 4 and co:
+            if phase == 4 and co:  # every cache setting: without gRPC, serial drafting pays the hop least
                 lengths = [x for x in w.lengths if x in args.colocated_lengths] or [length]
-                out += [(w, "colocated", k, x, hit, args.batch_sizes) for k in args.ks for x in lengths]
+                out += [(w, "colocated", k, x, h, args.batch_sizes)
+                        for h in w.hit_rates for k in args.ks for x in lengths]
             if phase == 5 and "transformers" in args.setups:
                 out.append((w, "transformers", 0, None, None, args.hf_batch_sizes))
             if phase == 6 and two:
