@@ -224,8 +224,10 @@ def compare(row: dict, base: dict | None, real_model: bool) -> dict:
         same = sum(a == b for a, b in zip(row["_outputs"], base["_outputs"], strict=True))
         out["output_equal_rate"] = same / len(row["_outputs"])
     steps, base_steps = row["round_ms"]["steps"], base["round_ms"]["steps"]
+    decode, base_decode = row["tokens"] - row["requests"], base["tokens"] - base["requests"]
+    if steps:  # rounds without drafts count too (mean_acceptance_length counts only rounds with drafts)
+        out["tokens_per_verification"] = decode / (steps * row["batch"])
     if row.get("_step_seconds") and base.get("_step_seconds") and steps and base_steps:
-        decode, base_decode = row["tokens"] - row["requests"], base["tokens"] - base["requests"]
         ideal = (decode / row["_step_seconds"]) / (base_decode / base["_step_seconds"])
         out |= {"ideal_speedup": ideal, "speedup_over_ideal": out["speedup"] / ideal,
                 "t_verify_ms": 1e3 * row["_step_seconds"] / steps,

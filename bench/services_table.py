@@ -41,7 +41,10 @@ def row(r: dict) -> list[str]:
 
 def tokens_per_verification(r: dict) -> float | None:
     """Decode tokens a request gains per verification, rounds without drafts included (tau counts only the
-    rounds that had drafts: with late speculation-cache tables the two differ widely)."""
+    rounds that had drafts: with late speculation-cache tables the two differ widely). Files written before
+    bench_services.py recorded it get it from the same fields."""
+    if "tokens_per_verification" in r:
+        return r["tokens_per_verification"]
     steps = (r.get("round_ms") or {}).get("steps")
     return (r["tokens"] - r["requests"]) / (steps * r["batch"]) if steps else None
 

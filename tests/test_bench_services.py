@@ -67,6 +67,7 @@ def test_the_harness_runs_the_setups_side_by_side_on_the_cpu(tmp_path):
     assert spec["tokens"] == 24 and spec["k"] == 4 and spec["forced_acceptance_length"] == 2.0
     assert spec["forced_hit_rate"] == 1.0 and spec["cache"]["hit"] > 0
     assert spec["speedup"] > 0 and spec["ideal_speedup"] > 0 and spec["mean_acceptance_length"] > 1
+    assert 0 < spec["tokens_per_verification"] <= spec["k"] + 1  # a verification gains at most k + 1 tokens
     assert spec["round_ms"]["verify"] > 0 and spec["round_ms"]["draft"] > 0
     assert spec["wire_bytes_per_step"]["sent"] > 0 and spec["ttft_ms"]["p50"] > 0
     assert "colocated" in rows or [s["setup"] for s in report["skipped"]] == ["colocated"]
