@@ -163,8 +163,9 @@ def through_specwire(args: argparse.Namespace) -> list[tuple[float, ...]]:
         wait_serving([service], 240)
         port, close_drafter = service.port, lambda: stop_services([service])
     else:
-        config = tiny_target()[0]
-        drafter = Drafter(Loop(), tiny_target(), tokenizer.fingerprint, service_class=TimedDrafterService)
+        checkpoint = tiny_target()
+        config = checkpoint[0]
+        drafter = Drafter(Loop(), checkpoint, tokenizer.fingerprint, service_class=TimedDrafterService)
         port, close_drafter = drafter.port, drafter.kill
     verifier_loop = Loop()
     link = DrafterLink(f"127.0.0.1:{port}", VerifierMetrics(), step_timeout=5.0)

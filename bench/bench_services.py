@@ -48,6 +48,7 @@ from gpu_busy import GpuBusy  # bench/ modules: scripts run as `python bench/<na
 from services_client import Client, read_prompts, summarize
 from services_metrics import Delta, cache_hit_rate, round_split, scrape, wire_bytes_per_step
 from services_setups import SETUPS, Devices, Fleet, HitRate, SetupUnavailable, Workload, run_transformers
+from services_table import tokens_per_verification
 from specwire.drafter.cli import DEFAULT_HEAD
 
 from specwire.default_model import resolve_model_path
@@ -224,10 +225,10 @@ def compare(row: dict, base: dict | None, real_model: bool) -> dict:
         same = sum(a == b for a, b in zip(row["_outputs"], base["_outputs"], strict=True))
         out["output_equal_rate"] = same / len(row["_outputs"])
     steps, base_steps = row["round_ms"]["steps"], base["round_ms"]["steps"]
-    decode, base_decode = row["tokens"] - row["requests"], base["tokens"] - base["requests"]
-    if steps:  # rounds without drafts count too (mean_acceptance_length counts only rounds with drafts)
-        out["tokens_per_verification"] = decode / (steps * row["batch"])
+    if (per_verification := tokens_per_verification(row)) is not None:
+        out["tokens_per_verification"] = per_verification
     if row.get("_step_seconds") and base.get("_step_seconds") and steps and base_steps:
+        decode, base_decode = row["tokens"] - row["requests"], base["tokens"] - base["requests"]
         ideal = (decode / row["_step_seconds"]) / (base_decode / base["_step_seconds"])
         out |= {"ideal_speedup": ideal, "speedup_over_ideal": out["speedup"] / ideal,
                 "t_verify_ms": 1e3 * row["_step_seconds"] / steps,

@@ -34,15 +34,10 @@ follow() {  # print the log's progress until the trainer ends or the call has ru
     done
 }
 
-collect() {  # the head and its log to $OUT: 4 files (of the 8 that come back), model split at 15 MB
-    cp $R/head/config.json $R/head/train_log.json "$OUT"/
-    split -b 15000000 $R/head/model.safetensors "$OUT"/model.safetensors.part.
-}
-
-collect_so_far() {  # while it trains: the head of the last checkpoint (config.json says its step), 3 files
-    [ -f $R/ckpt/state-head/model.safetensors ] || return 0
-    cp $R/ckpt/state-head/config.json "$OUT"/
-    split -b 15000000 $R/ckpt/state-head/model.safetensors "$OUT"/model.safetensors.part.
+collect() {  # head folder $1 to $OUT, its train_log.json if it has one: 3-4 files (of the 8 that come back),
+    # the model split at 15 MB
+    cp "$1"/config.json "$OUT"/ && { [ ! -f "$1"/train_log.json ] || cp "$1"/train_log.json "$OUT"/; }
+    split -b 15000000 "$1"/model.safetensors "$OUT"/model.safetensors.part.
 }
 
 case "$1" in
@@ -76,7 +71,9 @@ start)
 follow)
     nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv
     follow "${FOLLOW:-560}"
-    if [ -f $R/exit_code ] && [ -f $R/head/model.safetensors ]; then collect; else collect_so_far; fi
+    # the finished head, else the last checkpoint's (its config.json says its step)
+    if [ -f $R/exit_code ] && [ -f $R/head/model.safetensors ]; then collect $R/head
+    elif [ -f $R/ckpt/state-head/model.safetensors ]; then collect $R/ckpt/state-head; fi
     ls -la "$OUT"
     ;;
 finish)
@@ -103,6 +100,6 @@ print(path, d["mean_acceptance_length"], d["acceptance_per_position"])
 PY
         done
     done
-    collect && ls -la "$OUT"
+    collect $R/head && ls -la "$OUT"
     ;;
 esac

@@ -80,10 +80,13 @@ class Trainer:
         }
         save_train_state(path, self.params, self.optimizer, self.head.draft_to_target, meta)
         # The head so far, loadable as it stands: a run cut off with its machine still leaves a head.
-        last = {k: v for k, v in self.history[-1].items() if k != "per_source"} if self.history else None
         save_eagle_head(self.head, Path(path).with_name(Path(path).name + "-head"),
                         extra={"target_tokenizer": self.engine.tokenizer.fingerprint, "step": self.step,
-                               "held_out": last})
+                               "held_out": self.last_held_out()})
+
+    def last_held_out(self) -> dict | None:
+        """The latest held-out evaluation without its per-source breakdown (None before the first)."""
+        return {k: v for k, v in self.history[-1].items() if k != "per_source"} if self.history else None
 
     def restore(self, path: str | Path) -> None:
         meta = load_train_state(path, self.params, self.optimizer, self.head.draft_to_target)

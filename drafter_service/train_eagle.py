@@ -200,7 +200,7 @@ def run(args: argparse.Namespace) -> int:
         "held_out": trainer.history,
         "curve": trainer.curve,
     }
-    last = {k: v for k, v in trainer.history[-1].items() if k != "per_source"}
+    last = trainer.last_held_out()
     save_eagle_head(head, out, extra={"target_tokenizer": engine.tokenizer.fingerprint, "held_out": last})
     (out / "train_log.json").write_text(json.dumps(log, indent=2, default=str) + "\n")
     print(json.dumps({"out": str(out), "steps": trainer.step, "held_out": last}))
