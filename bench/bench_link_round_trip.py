@@ -16,10 +16,11 @@ reader task). Both loops share this process's GIL here.
   that the server echoes, with grpc.aio on the same two loop threads.
 --inline-step: the drafter runs its step on its event-loop thread instead of handing it to its worker thread
   (an experiment: what those two thread hand-offs cost).
+--step-socket: the Draft stream over the drafter's step socket (specwire.step_socket) instead of gRPC.
 Run it on the machine where the services run: the figures move with its CPU.
 
     python bench/bench_link_round_trip.py --steps 2000 [--drafter-process | --inline-step] [--busy-thread] \
-        [--out FILE]
+        [--step-socket] [--out FILE]
 """
 
 from __future__ import annotations
@@ -156,19 +157,22 @@ def through_specwire(args: argparse.Namespace) -> list[tuple[float, ...]]:
     """Round trips of empty DraftSteps from a DrafterLink to a DrafterService (see the module's text)."""
     tokenizer = load_tokenizer(default_model_path())
     TimedDrafterService.inline = args.inline_step
+    scratch = pathlib.Path(tempfile.mkdtemp(prefix="specwire-link-"))
+    socket_path = str(scratch / "drafter.sock") if args.step_socket else None
     if args.drafter_process:
         config = load_checkpoint(default_model_path())[0]
-        service = start("drafter", ["drafter", "--device", "cpu", "--max-drafts", "4"],
-                        pathlib.Path(tempfile.mkdtemp(prefix="specwire-link-")))
+        flags = ["--step-socket", socket_path] if socket_path else []
+        service = start("drafter", ["drafter", "--device", "cpu", "--max-drafts", "4", *flags], scratch)
         wait_serving([service], 240)
         port, close_drafter = service.port, lambda: stop_services([service])
     else:
         checkpoint = tiny_target()
         config = checkpoint[0]
-        drafter = Drafter(Loop(), checkpoint, tokenizer.fingerprint, service_class=TimedDrafterService)
+        drafter = Drafter(Loop(), checkpoint, tokenizer.fingerprint, service_class=TimedDrafterService,
+                          step_socket=socket_path)
         port, close_drafter = drafter.port, drafter.kill
     verifier_loop = Loop()
-    link = DrafterLink(f"127.0.0.1:{port}", VerifierMetrics(), step_timeout=5.0)
+    link = DrafterLink(f"127.0.0.1:{port}", VerifierMetrics(), step_timeout=5.0, socket_path=socket_path)
     link.handshake = pb.HandshakeRequest(
         protocol_version=PROTOCOL_VERSION, vocab_size=config.vocab_size, hidden_size=config.hidden_size,
         tokenizer_fingerprint=tokenizer.fingerprint, num_layers=config.num_layers)
@@ -201,6 +205,8 @@ def main() -> int:
     p.add_argument("--bare-bytes", type=int, default=10_000, help="--bare-grpc message bytes (default 10 kB)")
     p.add_argument("--inline-step", action="store_true",
                    help="the in-process drafter runs its step on its event-loop thread (an experiment)")
+    p.add_argument("--step-socket", action="store_true",
+                   help="the Draft stream over the drafter's Unix step socket instead of gRPC")
     p.add_argument("--drafter-process", action="store_true",
                    help="the drafter in a process of its own (specwire drafter, default model, CPU)")
     p.add_argument("--switch-interval", type=float, default=grpc_common.DEFAULT_SWITCH_INTERVAL,
@@ -218,6 +224,7 @@ def main() -> int:
         "bench": "link_round_trip", "command": " ".join(sys.argv), "steps": args.steps,
         "bare_grpc": args.bare_grpc, "bare_bytes": args.bare_bytes if args.bare_grpc else None,
         "drafter_process": args.drafter_process, "inline_step": args.inline_step,
+        "step_socket": args.step_socket,
         "busy_thread": args.busy_thread, "switch_interval_s": args.switch_interval,
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "round_trip": summary([sum(r) for r in rows]), **{k: summary(v) for k, v in parts.items()},

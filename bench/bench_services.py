@@ -47,7 +47,16 @@ from pathlib import Path
 from gpu_busy import GpuBusy  # bench/ modules: scripts run as `python bench/<name>.py`
 from services_client import Client, read_prompts, summarize
 from services_metrics import Delta, cache_hit_rate, round_split, scrape, wire_bytes_per_step
-from services_setups import SETUPS, Devices, Fleet, HitRate, SetupUnavailable, Workload, run_transformers
+from services_setups import (
+    SETUPS,
+    TWO_PROCESSES,
+    Devices,
+    Fleet,
+    HitRate,
+    SetupUnavailable,
+    Workload,
+    run_transformers,
+)
 from services_table import tokens_per_verification
 from specwire.drafter.cli import DEFAULT_HEAD
 
@@ -159,22 +168,24 @@ Job = tuple[Workload, str, int, float | None, HitRate, list[int]]
 
 def jobs(args: argparse.Namespace, ws: list[Workload]) -> list[Job]:
     """The configurations in the order they run: target-only first (every speedup needs it), then two GPUs
-    at the first length and cache setting, the other lengths, the other cache settings, co-located (each
-    cache setting), transformers, the k sweep."""
+    (over gRPC, then over the step socket) at the first length and cache setting, the other lengths, the
+    other cache settings, co-located (each cache setting), transformers, the k sweep (gRPC)."""
     out = []
-    two, co = "two_gpus" in args.setups, "colocated" in args.setups
+    twos, co = [s for s in TWO_PROCESSES if s in args.setups], "colocated" in args.setups
+    two = "two_gpus" in args.setups
     for phase in range(7):
         for w in ws:
             length, hit = w.lengths[0], w.hit_rates[0]
             if phase == 0 and "target_only" in args.setups:
                 out.append((w, "target_only", 0, None, None, args.batch_sizes))
-            if phase == 1 and two:
-                out += [(w, "two_gpus", k, length, hit, args.batch_sizes) for k in args.ks]
-            if phase == 2 and two:
-                out += [(w, "two_gpus", k, x, hit, args.batch_sizes) for x in w.lengths[1:] for k in args.ks]
-            if phase == 3 and two:
-                out += [(w, "two_gpus", k, length, h, args.batch_sizes)
-                        for h in w.hit_rates[1:] for k in args.ks]
+            if phase == 1:
+                out += [(w, s, k, length, hit, args.batch_sizes) for s in twos for k in args.ks]
+            if phase == 2:
+                out += [(w, s, k, x, hit, args.batch_sizes)
+                        for s in twos for x in w.lengths[1:] for k in args.ks]
+            if phase == 3:
+                out += [(w, s, k, length, h, args.batch_sizes)
+                        for s in twos for h in w.hit_rates[1:] for k in args.ks]
             if phase == 4 and co:  # every cache setting: without gRPC, serial drafting pays the hop least
                 lengths = [x for x in w.lengths if x in args.colocated_lengths] or [length]
                 out += [(w, "colocated", k, x, h, args.batch_sizes)
@@ -246,8 +257,8 @@ def run_job(fleet: Fleet, client: Client, job: Job, prompts: list[str], args: ar
         return [{**r, "cache_implementation": r.pop("cache")} for r in got["results"]]
     service = fleet.verifier(w, setup, k, length, hit)
     try:
-        ports = {"verifier": fleet.metrics_port(service),
-                 "drafter": fleet.metrics_port(fleet.drafters.get(w.name)) if setup == "two_gpus" else None}
+        drafter = fleet.drafters.get(w.name) if setup in TWO_PROCESSES else None
+        ports = {"verifier": fleet.metrics_port(service), "drafter": fleet.metrics_port(drafter)}
         return measure(client, service.port, ports, devices.gpu_indices(setup), prompts, batches, args)
     finally:
         fleet.stop(service)

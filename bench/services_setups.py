@@ -1,6 +1,8 @@
 """The setups bench_services.py puts side by side, as service processes (the `specwire demo` plumbing):
 
 - two_gpus:     a drafter on one device, a verifier on another, over gRPC;
+- two_gpus_socket: the same two processes, the per-round Draft stream over the drafter's step socket (the
+                handshake over gRPC);
 - colocated:    one verifier process that runs the drafter inside it (`--colocated`), on one device;
 - target_only:  a verifier with --k 0 (our engine, no drafter);
 - transformers: bench/hf_generate.py in its own process on the verifier's device (see there).
@@ -20,7 +22,8 @@ from pathlib import Path
 
 from specwire.commands.demo import Service, free_port, start, stop, wait_drafter_connected, wait_serving
 
-SETUPS = ("two_gpus", "colocated", "target_only", "transformers")
+SETUPS = ("two_gpus", "two_gpus_socket", "colocated", "target_only", "transformers")
+TWO_PROCESSES = ("two_gpus", "two_gpus_socket")  # the setups with a drafter process of their own
 # a forced speculation-cache hit rate, "off" (no cache), "adaptive" (tables or serial, measured) or None
 HitRate = float | str | None
 ADAPTIVE_EPOCH = 16  # rounds per drafting-mode epoch: a bench point runs a few hundred rounds
@@ -55,7 +58,7 @@ class Devices:
 
     def gpu_indices(self, setup: str) -> list[int]:
         """NVML indices of the GPUs a setup uses (for the busy-share sampler)."""
-        devices = [self.drafter, self.verifier] if setup == "two_gpus" else [self.verifier]
+        devices = [self.drafter, self.verifier] if setup in TWO_PROCESSES else [self.verifier]
         cuda = [d for d in devices if d and d.startswith("cuda")]
         return sorted({int(d.split(":")[1]) if ":" in d else 0 for d in cuda})
 
@@ -92,8 +95,11 @@ class Fleet:
             self.drafters[w.name] = self._start(f"drafter-{w.name}", [
                 "drafter", "--model", w.model, *head, *self.devices.flag("drafter"),
                 "--max-drafts", str(self.max_k), "--max-requests", str(max(64, self.max_batch)),
-                "--max-context", str(self.max_context)])
+                "--max-context", str(self.max_context), "--step-socket", self.step_socket(w)])
         return self.drafters[w.name]
+
+    def step_socket(self, w: Workload) -> str:
+        return str(self.logs / f"drafter-{w.name}.sock")
 
     def verifier(self, w: Workload, setup: str, k: int, length: float | None, hit: HitRate = None
                  ) -> Service:
@@ -101,8 +107,10 @@ class Fleet:
         argv = ["verifier", "--model", w.model, *self.devices.flag("verifier"),
                 "--k", str(0 if setup == "target_only" else k), "--max-slots", str(self.max_batch),
                 "--max-context", str(self.max_context)]
-        if setup == "two_gpus":
+        if setup in TWO_PROCESSES:
             argv += ["--drafter", f"127.0.0.1:{self.drafter(w).port}"]
+        if setup == "two_gpus_socket":
+            argv += ["--drafter-socket", self.step_socket(w)]
         elif setup == "colocated":
             argv += ["--colocated", *(["--head", w.head] if w.head else []),
                      *(["--drafter-device", self.devices.verifier] if self.devices.verifier else [])]
@@ -112,7 +120,7 @@ class Fleet:
                      *(["--drafting-epoch", str(ADAPTIVE_EPOCH)] if hit == "adaptive" else []),
                      *(["--forced-hit-rate", str(hit)] if isinstance(hit, float) else []), *w.verifier_args]
         service = self._start(f"verifier-{w.name}-{setup}-k{k}-L{length}-hit{hit}", argv)
-        if setup == "two_gpus" and not wait_drafter_connected(service.port, 120):
+        if setup in TWO_PROCESSES and not wait_drafter_connected(service.port, 120):
             self.stop(service)
             raise RuntimeError(f"the verifier never connected to the drafter (logs: {self.logs})")
         return service

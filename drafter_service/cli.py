@@ -17,6 +17,10 @@ log = logging.getLogger("specwire.drafter")
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     env = grpc_common.env_default
     grpc_common.add_server_arguments(parser, default_listen="0.0.0.0:50052")
+    parser.add_argument("--step-socket", default=env("SPECWIRE_STEP_SOCKET", None), metavar="PATH",
+                        help="also serve the per-round Draft stream on this Unix socket (owner-only), for a "
+                             "verifier on this host started with --drafter-socket PATH: it skips gRPC's "
+                             "per-message cost; the handshake stays on gRPC (env SPECWIRE_STEP_SOCKET)")
     grpc_common.add_model_arguments(parser, dtype_of="head weights and cache")
     add_proposer_arguments(parser)
     parser.add_argument("--no-cuda-graphs", action="store_true", help="draft eagerly")
@@ -101,6 +105,7 @@ def build_proposer(args: argparse.Namespace, config, target_weights: dict):
 async def serve(args: argparse.Namespace) -> None:
     from specwire.drafter.server import DrafterService
 
+    from specwire import step_socket
     from specwire.metrics import DrafterMetrics
     from specwire.v1 import drafter_pb2_grpc
 
@@ -108,7 +113,7 @@ async def serve(args: argparse.Namespace) -> None:
     if args.metrics_port is not None:
         metrics.serve(args.metrics_port)
     server = grpc_common.GrpcServer(grpc_common.ServerOptions.from_args(args))
-    service = DrafterService(metrics, server.draining)
+    service = DrafterService(metrics, server.draining, server.options.max_message_bytes)
     server.add_service(grpc_common.DRAFTER_SERVICE, drafter_pb2_grpc.add_DrafterServicer_to_server, service)
 
     async def load() -> None:
@@ -117,9 +122,13 @@ async def serve(args: argparse.Namespace) -> None:
         await server.set_serving(True)
         log.info("drafter ready", extra={"head": head, "device": str(proposer.device)})
 
+    sockets = await step_socket.serve(args.step_socket, service.serve_socket) if args.step_socket else None
     try:
         await server.serve_forever(on_ready=load)
     finally:
+        if sockets is not None:
+            sockets.close()
+            Path(args.step_socket).unlink(missing_ok=True)
         service.close()
         metrics.close()
 

@@ -5,6 +5,7 @@ with one DraftResult: draft ids plus the exact float32 q they were drawn from (n
 top-K sparse for truncated sampling, dense for untruncated). An update that cannot be applied (bad tensor,
 unknown request, a position that skips tokens) drops that request and names it in dropped_request_ids,
 so the verifier re-sends it whole. State belongs to the stream: when it ends, its requests are freed.
+A stream comes over gRPC (`Draft`) or, from a verifier on this host, over the step socket (`serve_socket`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import asyncio
 import itertools
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -20,8 +22,10 @@ import torch
 from specwire.drafter.proposer import VERIFYING_CHAIN, EagleProposer, Proposal, ProposerError
 
 from specwire.config import ModelConfig
+from specwire.grpc_common import DEFAULT_MAX_MESSAGE_BYTES
 from specwire.metrics import DrafterMetrics
 from specwire.step_profiler import StepProfiler
+from specwire.step_socket import FrameError, MessageSocket
 from specwire.v1 import drafter_pb2 as pb
 from specwire.v1 import drafter_pb2_grpc
 from specwire.wire import PROTOCOL_VERSION, WireError, decode_tensor, encode_tensor
@@ -38,8 +42,9 @@ class _StepReader:
     every read against the drain in a task of its own costs two tasks and two loop turns a step); one watcher
     per stream cancels the read in progress when the drain starts."""
 
-    def __init__(self, context: grpc.aio.ServicerContext, draining: asyncio.Event):
-        self.context, self.draining = context, draining
+    def __init__(self, read: Callable[[], Awaitable[object]], draining: asyncio.Event):
+        """read: the stream's next message, grpc.aio.EOF or None at its end."""
+        self.read, self.draining = read, draining
         self._reader = asyncio.current_task()
         self._reading = self._cancelled = False
         self._watcher = asyncio.get_running_loop().create_task(self._watch())
@@ -56,7 +61,7 @@ class _StepReader:
             return None
         self._reading = True
         try:
-            step = await self.context.read()
+            step = await self.read()
         except asyncio.CancelledError:
             if not self._cancelled:
                 raise  # the client went away, or the server is stopping
@@ -64,17 +69,20 @@ class _StepReader:
             return None
         finally:
             self._reading = False
-        return None if step is grpc.aio.EOF else step
+        return None if step is grpc.aio.EOF else step  # the socket's end is None already
 
     def close(self) -> None:
         self._watcher.cancel()
 
 
 class DrafterService(drafter_pb2_grpc.DrafterServicer):
-    def __init__(self, metrics: DrafterMetrics, draining: asyncio.Event | None = None):
+    def __init__(self, metrics: DrafterMetrics, draining: asyncio.Event | None = None,
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES):
         """Refuses handshakes until `load`. draining: set when the server drains; open Draft streams then
-        end, so verifiers fall back at once instead of waiting out the grace period."""
+        end, so verifiers fall back at once instead of waiting out the grace period. max_message_bytes:
+        the step socket's bound (gRPC's is the server's)."""
         self.metrics, self.draining = metrics, draining or asyncio.Event()
+        self.max_message_bytes = max_message_bytes
         self.proposer: EagleProposer | None = None
         self._streams = itertools.count()
         self._known: dict[str, int] = {}  # proposer key -> tokens the drafter holds for it
@@ -130,15 +138,32 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
     async def Draft(self, request_iterator, context: grpc.aio.ServicerContext) -> None:
         if self.proposer is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the drafter is still loading")
+        await self._serve_stream(context.read, context.write, context.peer())
+
+    async def serve_socket(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """A Draft stream from the step socket (specwire.step_socket): the same steps as over gRPC. A verifier
+        connects only after its gRPC handshake, so one that comes while loading or draining is turned away."""
+        messages = MessageSocket(reader, writer, pb.DraftStep, self.max_message_bytes)
+        try:
+            if self.proposer is not None and not self.draining.is_set():
+                await self._serve_stream(messages.read, messages.write, "step socket")
+        except (FrameError, OSError) as e:  # garbage or a reset: this stream ends, the drafter serves on
+            self.metrics.bad_payloads.labels(reason="link_error").inc()
+            log.warning("step socket stream ended", extra={"reason": str(e) or type(e).__name__})
+        finally:
+            messages.close()
+
+    async def _serve_stream(self, read: Callable[[], Awaitable[object]],
+                            write: Callable[[pb.DraftResult], Awaitable[None]], peer: str) -> None:
         stream = next(self._streams)
         owned: set[str] = set()
         loop = asyncio.get_running_loop()
-        log.info("draft stream opened", extra={"stream": stream, "peer": context.peer()})
+        log.info("draft stream opened", extra={"stream": stream, "peer": peer})
         # Steps are read while the worker drafts. When several wait, the older ones only apply their updates
         # and answer without drafts: their tables would come after the verifications they were for had
         # ended, and drafting them would make every later table late too.
         inbox: asyncio.Queue = asyncio.Queue(maxsize=64)
-        reader = loop.create_task(self._read_steps(context, inbox))
+        reader = loop.create_task(self._read_steps(read, inbox))
         try:
             while (step := await inbox.get()) is not None:
                 if isinstance(step, BaseException):
@@ -147,7 +172,7 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
                 self.metrics.rpc_bytes["received"].inc(step.ByteSize())
                 result = await loop.run_in_executor(self._worker, self.run_step, stream, owned, step, fresh)
                 self.metrics.rpc_bytes["sent"].inc(result.ByteSize())
-                await context.write(result)
+                await write(result)
         finally:
             reader.cancel()
             await asyncio.gather(reader, return_exceptions=True)
@@ -156,10 +181,10 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
             await asyncio.shield(loop.run_in_executor(self._worker, self._free_all, owned))
             log.info("draft stream closed", extra={"stream": stream})
 
-    async def _read_steps(self, context: grpc.aio.ServicerContext, inbox: asyncio.Queue) -> None:
+    async def _read_steps(self, read: Callable[[], Awaitable[object]], inbox: asyncio.Queue) -> None:
         """Moves the stream's steps into `inbox`, then None at its end or the error that ended the reads
         (a full inbox holds the reads back). The reader lives in this task, so a drain ends its read here."""
-        steps = _StepReader(context, self.draining)
+        steps = _StepReader(read, self.draining)
         try:
             while (step := await steps.next()) is not None:
                 await inbox.put(step)

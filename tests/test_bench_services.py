@@ -48,11 +48,13 @@ def test_round_split_cache_and_bytes_from_two_scrapes():
 
 
 def test_the_harness_runs_the_setups_side_by_side_on_the_cpu(tmp_path):
-    """Target-only, two processes and the co-located setup (measured, or skipped with the reason when the
-    verifier does not know --colocated) on synthetic:tiny; one JSON with the schema the README reads. The
-    verifiers wait for every table (a busy CI machine would otherwise see them all late, and no drafts)."""
+    """Target-only, two processes (over gRPC and over the step socket) and the co-located setup (measured, or
+    skipped with the reason when the verifier does not know --colocated) on synthetic:tiny; one JSON with
+    the schema the README reads. The verifiers wait for every table (a busy CI machine would otherwise see
+    them all late, and no drafts)."""
     argv = [sys.executable, str(BENCH / "bench_services.py"), "--workloads", "synthetic", "--synthetic-shape",
-            "tiny", "--lengths", "2", "--hit-rates", "1.0", "--setups", "target_only,two_gpus,colocated",
+            "tiny", "--lengths", "2", "--hit-rates", "1.0", "--setups",
+            "target_only,two_gpus,two_gpus_socket,colocated",
             "--synthetic-verifier-args", "--aux-layers none --draft-timeout 30 --table-wait-ms 30000",
             "--batch-sizes", "2",
             "--temperatures", "0", "--sweep-ks", "", "--max-tokens", "12", "--repeats", "1",
@@ -63,6 +65,7 @@ def test_the_harness_runs_the_setups_side_by_side_on_the_cpu(tmp_path):
     assert report["command"] and report["commit"] and report["machine"]["cpus"] and report["date"]
     rows = {r["setup"]: r for r in report["results"]}
     assert rows["target_only"]["speedup"] == 1.0 and rows["target_only"]["batch"] == 2
+    assert rows["two_gpus_socket"]["tokens"] == 24 and rows["two_gpus_socket"]["cache"]["hit"] > 0
     spec = rows["two_gpus"]
     assert spec["tokens"] == 24 and spec["k"] == 4 and spec["forced_acceptance_length"] == 2.0
     assert spec["forced_hit_rate"] == 1.0 and spec["cache"]["hit"] > 0
@@ -73,7 +76,7 @@ def test_the_harness_runs_the_setups_side_by_side_on_the_cpu(tmp_path):
     assert "colocated" in rows or [s["setup"] for s in report["skipped"]] == ["colocated"]
 
 
-@pytest.mark.parametrize("mode", [[], ["--bare-grpc"]])
+@pytest.mark.parametrize("mode", [[], ["--bare-grpc"], ["--step-socket"]])
 def test_the_link_benchmark_times_real_round_trips(tmp_path, mode):
     """bench/bench_link_round_trip.py: every step answered (it asserts so), and through specwire the way out,
     the step and the way back add up to the round trip."""
@@ -83,9 +86,10 @@ def test_the_link_benchmark_times_real_round_trips(tmp_path, mode):
     done = subprocess.run(argv, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     got = json.loads(out.read_text())
-    assert got["steps"] == 40 and got["bare_grpc"] == bool(mode)
+    assert got["steps"] == 40 and got["bare_grpc"] == (mode == ["--bare-grpc"])
+    assert got["step_socket"] == (mode == ["--step-socket"])
     assert 0 < got["round_trip"]["p50_ms"] <= got["round_trip"]["p90_ms"] < 5000
-    if not mode:
+    if mode != ["--bare-grpc"]:
         parts = sum(got[k]["mean_ms"] for k in ("way_out", "step", "way_back"))
         assert parts == pytest.approx(got["round_trip"]["mean_ms"])
         assert all(got[k]["p50_ms"] > 0 for k in ("way_out", "step", "way_back"))

@@ -24,7 +24,7 @@ from specwire.verifier.drafter_link import LocalDrafterLink
 from specwire.verifier.scheduler import SchedulerConfig
 from specwire.verifier.server import VerifierServer, VerifierSettings
 
-from specwire import grpc_common
+from specwire import grpc_common, step_socket
 from specwire.config import ModelConfig
 from specwire.default_model import default_model_path
 from specwire.engine import TargetEngine
@@ -99,20 +99,22 @@ class Drafter:
     """A real drafter server; `service_class` lets a test swap in a misbehaving servicer."""
 
     def __init__(self, loop: Loop, checkpoint, fingerprint: str, port: int = 0, service_class=DrafterService,
-                 device: str = "cpu"):
+                 device: str = "cpu", step_socket: str | None = None):
+        """step_socket: also serve the Draft stream on this Unix socket path."""
         self.loop, self.metrics = loop, DrafterMetrics()
         config, sd = checkpoint
         proposer = EagleProposer(bigram_head(config, sd, device), max_requests=48, max_context=MAX_CONTEXT,
                                  max_drafts=K, max_top_k=16, max_branches=BRANCHES)
-        self.port = loop.run(self._start(port, service_class, proposer, config, fingerprint))
+        self.port = loop.run(self._start(port, service_class, proposer, config, fingerprint, step_socket))
 
-    async def _start(self, port, service_class, proposer, config, fingerprint) -> int:
+    async def _start(self, port, service_class, proposer, config, fingerprint, socket_path) -> int:
         # grpc.aio objects belong to the loop they are made on
         self.server = grpc_common.GrpcServer(grpc_common.ServerOptions(listen=f"127.0.0.1:{port}"))
         self.service = service_class(self.metrics, self.server.draining)
         self.service.load(proposer, config, fingerprint, "eagle1:bigram")
         self.server.add_service(grpc_common.DRAFTER_SERVICE, drafter_pb2_grpc.add_DrafterServicer_to_server,
                                 self.service)
+        self.sockets = socket_path and await step_socket.serve(socket_path, self.service.serve_socket)
         port = await self.server.start()
         await self.server.set_serving(True)
         return port
@@ -121,8 +123,13 @@ class Drafter:
         return len(self.service._known)
 
     def kill(self):
-        self.loop.run(self.server.drain(0))
+        self.loop.run(self._stop())
         self.service.close()
+
+    async def _stop(self) -> None:
+        if self.sockets:  # on the loop's thread: asyncio servers are not thread-safe
+            self.sockets.close()
+        await self.server.drain(0)
 
 
 def colocated(checkpoint, tokenizer, metrics: VerifierMetrics) -> LocalDrafterLink:
@@ -140,12 +147,13 @@ class Verifier:
     def __init__(self, loop: Loop, checkpoint, tokenizer, drafter_port: int | str | None, max_slots: int = 16,
                  cache_branches: int = BRANCHES, step_timeout: float = 5.0, device: str = "cpu",
                  table_wait: float | None = 5.0, just_in_time_wait: float | None = 5.0,
-                 max_waiting: int = 64, drafting_epoch: int = 0):
+                 max_waiting: int = 64, drafting_epoch: int = 0, drafter_socket: str | None = None):
         self.loop, self.metrics = loop, VerifierMetrics()
         self.engine = TargetEngine(checkpoint=checkpoint, device=device, dtype=torch.float32,
                                    max_slots=max_slots, max_context=MAX_CONTEXT)
         settings = VerifierSettings(
             drafter=f"127.0.0.1:{drafter_port}" if isinstance(drafter_port, int) else None,
+            drafter_socket=drafter_socket,
             step_timeout=step_timeout,
             scheduler=SchedulerConfig(num_speculative_tokens=K, max_waiting=max_waiting,
                                       default_max_tokens=16, cache_branches=cache_branches,

@@ -20,6 +20,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--drafter", default=env("SPECWIRE_DRAFTER", None),
                         help="drafter HOST:PORT (env SPECWIRE_DRAFTER); without one (or --colocated), "
                              "target-only decoding")
+    parser.add_argument("--drafter-socket", default=env("SPECWIRE_DRAFTER_SOCKET", None), metavar="PATH",
+                        help="with --drafter on this host: the drafter's --step-socket; the per-round Draft "
+                             "stream goes over it instead of gRPC (env SPECWIRE_DRAFTER_SOCKET)")
     parser.add_argument("--colocated", action="store_true",
                         help="run the drafter inside this process (same scheduler and link, no gRPC hop)")
     parser.add_argument("--head", default=env("SPECWIRE_HEAD", None),
@@ -119,6 +122,8 @@ async def serve(args: argparse.Namespace) -> None:
         raise ValueError(f"--k must be >= 0, got {args.k}")
     if args.colocated and args.drafter:
         raise ValueError("--colocated runs the drafter in this process: leave out --drafter")
+    if args.drafter_socket and not args.drafter:
+        raise ValueError("--drafter-socket needs --drafter HOST:PORT (the handshake goes over gRPC)")
     if args.cache_branches < 0:
         raise ValueError(f"--cache-branches must be >= 0, got {args.cache_branches}")
     if args.drafting_epoch < 0:
@@ -135,6 +140,7 @@ async def serve(args: argparse.Namespace) -> None:
     jit_wait = None if args.just_in_time_wait_ms is None else args.just_in_time_wait_ms / 1e3
     settings = VerifierSettings(
         drafter=args.drafter if args.k > 0 else None,
+        drafter_socket=args.drafter_socket,
         drafter_channel=grpc_common.ChannelOptions.from_args(args, prefix="drafter-"),
         step_timeout=args.draft_timeout,
         scheduler=SchedulerConfig(num_speculative_tokens=args.k, max_waiting=args.max_waiting,

@@ -5,6 +5,7 @@ scheduler decodes that step without drafts) and its late answer is dropped as st
 resolves every waiting step to None, and a background task reconnects with exponential backoff; after
 each new stream the scheduler re-sends the state of its live requests (`on_connect`). Any exception while
 connecting is logged and retried, so a bug in a check turns speculation off only until it stops raising.
+With a step socket (a drafter on this host), the stream runs over it instead of gRPC (specwire.step_socket).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import grpc
 
 from specwire import grpc_common
 from specwire.metrics import VerifierMetrics
+from specwire.step_socket import FrameError, MessageSocket
 from specwire.v1 import drafter_pb2 as pb
 from specwire.v1 import drafter_pb2_grpc
 
@@ -156,11 +158,13 @@ class DrafterLink(_StepResults):
         self, target: str, metrics: VerifierMetrics,
         channel_options: grpc_common.ChannelOptions | None = None,
         step_timeout: float = 0.5, max_in_flight: int = 4, backoff: tuple[float, float] = (0.05, 5.0),
+        socket_path: str | None = None,
     ):
         """max_in_flight bounds the steps the drafter holds (answered late or not yet), so a slow drafter is
-        never flooded. The owner sets `handshake`, `check_info` (raises HandshakeRefused for a drafter it
-        cannot feed) and `on_connect` before `start`."""
-        self.target, self.metrics = target, metrics
+        never flooded. socket_path: the drafter's step socket, for the Draft stream (the handshake stays on
+        gRPC). The owner sets `handshake`, `check_info` (raises HandshakeRefused for a drafter it cannot
+        feed) and `on_connect` before `start`."""
+        self.target, self.metrics, self.socket_path = target, metrics, socket_path
         self.channel_options = channel_options or grpc_common.ChannelOptions()
         self.handshake = pb.HandshakeRequest()
         self.check_info: Callable[[pb.DrafterInfo], None] = lambda info: None
@@ -168,7 +172,7 @@ class DrafterLink(_StepResults):
         self.dead_after = max(5.0, 20 * step_timeout)  # a step unanswered this long: the drafter is hung
         self.info: pb.DrafterInfo | None = None
         self.on_connect: Callable[[], None] = lambda: None
-        self._call: grpc.aio.StreamStreamCall | None = None
+        self._call: grpc.aio.StreamStreamCall | MessageSocket | None = None
         self._outbox: asyncio.Queue = asyncio.Queue()  # steps waiting for the writer of the current stream
         self._writer: asyncio.Task | None = None
         self._pending: dict[int, _Pending] = {}
@@ -259,27 +263,32 @@ class DrafterLink(_StepResults):
             raise HandshakeRefused(response.message or "drafter said no without a reason")
         self.check_info(response.drafter)
         self.info = response.drafter
-        self._call = call = stub.Draft()
+        if self.socket_path is None:
+            self._call = call = stub.Draft()
+        else:
+            max_bytes = self.channel_options.max_message_bytes
+            self._call = call = await MessageSocket.connect(self.socket_path, pb.DraftResult, max_bytes)
         self._outbox = asyncio.Queue()
         self._writer = asyncio.get_running_loop().create_task(self._write(call, self._outbox))
         self.epoch += 1
         self.last_error = ""
-        log.info("drafter connected", extra={"drafter": self.target, "head": response.drafter.head})
+        log.info("drafter connected", extra={"drafter": self.target, "head": response.drafter.head,
+                                             "step_socket": self.socket_path})
         self.on_connect()
         return time.perf_counter()
 
-    async def _write(self, call: grpc.aio.StreamStreamCall, outbox: asyncio.Queue) -> None:
+    async def _write(self, call: grpc.aio.StreamStreamCall | MessageSocket, outbox: asyncio.Queue) -> None:
         """The stream's writer: one write at a time, in order, so that a sender never waits for one."""
         while True:
             step = await outbox.get()
             try:
                 await call.write(step)
-            except (grpc.RpcError, asyncio.InvalidStateError) as e:
+            except (grpc.RpcError, asyncio.InvalidStateError, OSError, FrameError) as e:
                 self._disconnect(call, f"write failed: {e}")
                 return
             self.metrics.rpc_bytes["sent"].inc(step.ByteSize())
 
-    async def _read(self, call: grpc.aio.StreamStreamCall) -> None:
+    async def _read(self, call: grpc.aio.StreamStreamCall | MessageSocket) -> None:
         while True:
             try:
                 result = await call.read()
@@ -287,7 +296,7 @@ class DrafterLink(_StepResults):
                 if asyncio.current_task().cancelling():
                     raise  # close()
                 raise OSError("Draft stream cancelled") from None  # by _disconnect
-            if result is grpc.aio.EOF:
+            if result is grpc.aio.EOF or result is None:  # None: the step socket's end
                 raise OSError("drafter closed the Draft stream")
             self.metrics.rpc_bytes["received"].inc(result.ByteSize())
             pending = self._pending.pop(result.step_id, None)
@@ -306,7 +315,7 @@ class DrafterLink(_StepResults):
             if not pending.future.done():
                 pending.future.set_result(None)
 
-    def _disconnect(self, call: grpc.aio.StreamStreamCall | None, reason: str) -> None:
+    def _disconnect(self, call: grpc.aio.StreamStreamCall | MessageSocket | None, reason: str) -> None:
         if call is None or call is not self._call:
             return
         call.cancel()

@@ -155,6 +155,7 @@ class VerifierSettings:
     """What `specwire verifier` runs, beyond the gRPC server options."""
 
     drafter: str | None = None  # HOST:PORT; None = target-only
+    drafter_socket: str | None = None  # the drafter's step socket (same host): the Draft stream goes over it
     drafter_channel: grpc_common.ChannelOptions = grpc_common.ChannelOptions()
     step_timeout: float = 1.0  # seconds a step waits for its drafts before verifying without them
     scheduler: SchedulerConfig = SchedulerConfig()
@@ -186,7 +187,8 @@ class VerifierServer:
                ) -> None:
         s = self.settings
         if link is None and s.drafter:
-            link = DrafterLink(s.drafter, self.metrics, s.drafter_channel, step_timeout=s.step_timeout)
+            link = DrafterLink(s.drafter, self.metrics, s.drafter_channel, step_timeout=s.step_timeout,
+                               socket_path=s.drafter_socket)
         self.scheduler = Scheduler(engine, tokenizer, self.metrics, s.scheduler, link)
         m = self.metrics
         m.max_requests_waiting.set(s.scheduler.max_waiting)
