@@ -58,6 +58,7 @@ start)
     [ "${INIT:-}" = none ] && init=""
     echo "train-eagle $init"
     export SPECWIRE_COMMIT=${SPECWIRE_COMMIT:-unknown}  # no .git travels
+    : > $R/train.log  # before the launch: follow below must not take a run still starting for a lost one
     setsid bash -c "python3 -m specwire train-eagle --model $M/smol.gguf --data-dir .data \
         --chat-prompts .data/chat_prompts.npz --out $R/head --checkpoint $R/ckpt --device cuda $init \
         --max-minutes ${MINUTES:-15} --gen-fraction ${GEN_FRACTION:-0.25} --gen-batch 256 \
