@@ -61,6 +61,8 @@ class MessageSocket:
             raise FrameError(f"undecodable {self._type.__name__} ({size} bytes): {e}") from None
 
     async def write(self, message: Message) -> None:
+        if self._writer.is_closing():  # the other end left (uvloop would raise RuntimeError, not OSError)
+            raise ConnectionResetError("the step socket is closed")
         data = message.SerializeToString()
         if len(data) > self.max_bytes:
             raise FrameError(f"a {len(data)}-byte {type(message).__name__} is over the {self.max_bytes}-byte "

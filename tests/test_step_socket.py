@@ -161,6 +161,8 @@ def test_message_socket_frames_and_refusals(tmp_path):
         with pytest.raises(FrameError, match="over the 65536-byte limit"):
             await link.write(dpb.DraftStep(updates=[dpb.RequestUpdate(request_id="x" * MAX_BYTES)]))
         link.close()
+        with pytest.raises(ConnectionResetError, match="the step socket is closed"):
+            await link.write(dpb.DraftStep(step_id=1))
         server.close()
 
         async def cut_short(reader, writer):
