@@ -80,11 +80,12 @@ class MessageSocket:
 
 async def serve(path: str, on_connection: Callable[[asyncio.StreamReader, asyncio.StreamWriter],
                                                     Awaitable[None]]) -> asyncio.Server:
-    """Listens on the Unix socket `path`, owner-only (the loop replaces a stale socket file there)."""
+    """Listens on the Unix socket `path`, owner-only (the loop replaces a stale socket file there). A path it
+    cannot take (another file there, no such directory) is bad input: ValueError, saying why."""
     old_mask = os.umask(0o177)  # created 0600: no moment at which others could connect
     try:
         return await asyncio.start_unix_server(on_connection, path, limit=_HIGH_WATER)
     except OSError as e:
-        raise OSError(e.errno, f"cannot listen on the step socket {path}: {e.strerror}") from None
+        raise ValueError(f"cannot listen on the step socket {path}: {e.strerror or e}") from None
     finally:
         os.umask(old_mask)

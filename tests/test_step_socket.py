@@ -22,6 +22,7 @@ from test_services_e2e import (
     tiny_target,
 )
 
+from specwire.cli import main
 from specwire.default_model import default_model_path
 from specwire.step_socket import FrameError, MessageSocket, serve
 from specwire.tokenizer import load_tokenizer
@@ -175,3 +176,19 @@ def test_message_socket_frames_and_refusals(tmp_path):
         server.close()
 
     asyncio.run(exchange())
+
+
+def test_the_verifier_refuses_a_socket_without_a_drafter(capsys):
+    argv = ["verifier", "--model", "synthetic:tiny", "--device", "cpu", "--listen", "127.0.0.1:0",
+            "--drafter-socket", "/tmp/drafter.sock"]
+    assert main(argv) == 2
+    assert "--drafter-socket needs --drafter HOST:PORT" in capsys.readouterr().err
+
+
+def test_the_drafter_names_a_socket_path_it_cannot_listen_on(capsys, tmp_path):
+    taken = tmp_path / "a-file"
+    taken.write_text("not a socket")
+    argv = ["drafter", "--model", "synthetic:tiny", "--device", "cpu", "--listen", "127.0.0.1:0",
+            "--step-socket", str(taken)]
+    assert main(argv) != 0
+    assert f"cannot listen on the step socket {taken}" in capsys.readouterr().err
