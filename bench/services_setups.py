@@ -109,8 +109,8 @@ class Fleet:
                 "--max-context", str(self.max_context)]
         if setup in TWO_PROCESSES:
             argv += ["--drafter", f"127.0.0.1:{self.drafter(w).port}"]
-        if setup == "two_gpus_socket":
-            argv += ["--drafter-socket", self.step_socket(w)]
+            if setup == "two_gpus_socket":
+                argv += ["--drafter-socket", self.step_socket(w)]
         elif setup == "colocated":
             argv += ["--colocated", *(["--head", w.head] if w.head else []),
                      *(["--drafter-device", self.devices.verifier] if self.devices.verifier else [])]

@@ -8,6 +8,7 @@ temporary directory for the steps), with its tiny target and bigram head.
 import asyncio
 import os
 import stat
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from specwire.drafter.server import DrafterService
@@ -80,6 +81,26 @@ def test_output_over_the_socket_equals_target_only_greedy_and_seeded(world):
     assert v.counter(v.metrics.num_accepted_tokens) > 0  # drafts came and were verified
     assert world.drafter.service.streams == ["socket"], "the Draft stream did not go over the socket"
     assert stat.S_IMODE(os.stat(world.path).st_mode) == 0o600
+
+
+def test_a_drafter_killed_mid_generation_over_the_socket_costs_no_request(world, tmp_path):
+    path = str(tmp_path / "dying.sock")
+    drafter = Drafter(world.loop, world.checkpoint, world.tokenizer.fingerprint, step_socket=path)
+    v = Verifier(world.loop, world.checkpoint, world.tokenizer, drafter.port, drafter_socket=path,
+                 step_timeout=2.0)
+    try:
+        v.wait_connected()
+        batch = prompts(4, seed=46)
+        with ThreadPoolExecutor(len(batch)) as pool:
+            futures = [pool.submit(v.generate, p, max_tokens=60) for p in batch]
+            poll(lambda: v.counter(v.metrics.num_draft_tokens) > 0, what="speculation to start")
+            drafter.kill()
+            results = [f.result() for f in futures]
+        assert [r[0] for r in results] == greedy_reference(world.checkpoint, batch, 60)
+        assert not v.info().speculation.drafter_connected
+        assert v.counter(v.metrics.fallback_steps, reason="down") > 0
+    finally:
+        v.close()
 
 
 def test_a_drafter_without_the_socket_costs_speculation_only(world, tmp_path):
