@@ -33,6 +33,7 @@ import os
 import pathlib
 import pstats
 import sys
+import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -79,7 +80,7 @@ COMPONENTS = [
     ("loop: DrafterLink._read", "loop", ["_read"]),
     ("loop: GenerationService.Generate", "loop", ["Generate"]),
     ("loop: Scheduler._reap", "loop", ["_reap"]),
-    ("drafter loop: DrafterService.Draft (all, minus awaits)", "drafter_loop", ["Draft"]),
+    ("drafter loop: DrafterService._serve_stream (all, minus awaits)", "drafter_loop", ["_serve_stream"]),
     ("drafter loop:   _StepReader.next", "drafter_loop", ["next"]),
     ("drafter worker: run_step (all)", "drafter_worker", ["run_step"]),
     ("drafter worker:   _apply (decode features, proposer add/update)", "drafter_worker", ["_apply"]),
@@ -94,21 +95,23 @@ OWNERS = {  # function name -> a path fragment of its file, to tell apart same-n
     "batch_drafts": "alignment", "_settle": "scheduler", "_stream": "scheduler", "_send_step": "scheduler",
     "_features": "scheduler", "_settle_round": "scheduler",
     "send": "drafter_link", "_read": "drafter_link", "Generate": "verifier_service/server",
-    "_reap": "scheduler", "Draft": "drafter_service/server", "next": "drafter_service/server",
+    "_reap": "scheduler", "_serve_stream": "drafter_service/server", "next": "drafter_service/server",
     "run_step": "drafter_service/server", "_apply": "drafter_service/server",
     "_propose": "drafter_service/server", "propose": "proposer", "_split": "drafter_service/server",
 }
 
 
 def start_verifier(loop: Loop, checkpoint, tokenizer, drafter_port: int | None, device: str, k: int,
-                   max_slots: int, cache_branches: int = SchedulerConfig.cache_branches
+                   max_slots: int, cache_branches: int = SchedulerConfig.cache_branches,
+                   drafter_socket: str | None = None
                    ) -> tuple[VerifierServer, generation_pb2_grpc.GenerationStub]:
     """As `specwire verifier` builds it: CUDA graphs for decode and for verify rows of 1 + k tokens.
-    drafter_port None: target-only."""
+    drafter_port None: target-only; drafter_socket: the Draft stream over the drafter's step socket."""
     engine = TargetEngine(checkpoint=checkpoint, device=device, dtype=torch.float32, max_slots=max_slots,
                           max_context=MAX_CONTEXT, max_verify_tokens=k + 1)
     drafter = None if drafter_port is None else f"127.0.0.1:{drafter_port}"
-    settings = VerifierSettings(drafter=drafter, step_timeout=5.0, model_name="tiny",
+    settings = VerifierSettings(drafter=drafter, drafter_socket=drafter_socket, step_timeout=5.0,
+                                model_name="tiny",
                                 scheduler=SchedulerConfig(num_speculative_tokens=k, max_waiting=64,
                                                           cache_branches=cache_branches))
 
@@ -218,6 +221,8 @@ def main() -> int:
     p.add_argument("--target-only", action="store_true", help="no drafter: k = 0, every round a decode step")
     p.add_argument("--cache-branches", type=int, default=SchedulerConfig.cache_branches,
                    help="the verifier's --cache-branches (0: serial drafting, each round waits for drafts)")
+    p.add_argument("--step-socket", action="store_true",
+                   help="the Draft stream over the drafter's Unix step socket instead of gRPC")
     p.add_argument("--timer", choices=("cpu", "wall", "off"), default="cpu")
     p.add_argument("--switch-interval", type=float, default=grpc_common.DEFAULT_SWITCH_INTERVAL,
                    help="sys.setswitchinterval, as the services set it (default %(default)s s)")
@@ -237,12 +242,15 @@ def main() -> int:
     tokenizer = load_tokenizer(default_model_path())
     verifier_loop = Loop()
     drafter_loop = drafter = None
+    socket_path = str(pathlib.Path(tempfile.mkdtemp(prefix="specwire-host-")) / "drafter.sock")
+    socket_path = socket_path if args.step_socket and not args.target_only else None
     if not args.target_only:
         drafter_loop = Loop()
-        drafter = Drafter(drafter_loop, checkpoint, tokenizer.fingerprint, device=args.drafter_device)
+        drafter = Drafter(drafter_loop, checkpoint, tokenizer.fingerprint, device=args.drafter_device,
+                          step_socket=socket_path)
     server, stub = start_verifier(verifier_loop, checkpoint, tokenizer, drafter and drafter.port,
                                   args.verifier_device, args.k, max_slots=max(16, args.streams),
-                                  cache_branches=args.cache_branches)
+                                  cache_branches=args.cache_branches, drafter_socket=socket_path)
     scheduler = server.scheduler
     deadline = time.time() + 30
     while drafter and not scheduler.speculating:
