@@ -149,6 +149,23 @@ def test_services_and_monitors_reach_the_pods(built, overlay):
                    for p in pods)
 
 
+def test_the_colocated_pod_shares_the_drafters_step_socket(built):
+    """The co-located verifier reaches its drafter's step socket: one path on both sides, in a volume that
+    both containers mount (the drafter creates the socket there) and that lives in the pod's memory."""
+    containers = _containers(built["k8s/overlays/colocated"])
+    (drafter, pod), (verifier, _) = containers["drafter"], containers["verifier"]
+    path = drafter["args"][drafter["args"].index("--step-socket") + 1]
+    assert verifier["args"][verifier["args"].index("--drafter-socket") + 1] == path
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    mounted = [{m["name"] for m in c["volumeMounts"] if m["mountPath"] == str(Path(path).parent)}
+               for c in (drafter, verifier)]
+    assert mounted[0] == mounted[1] and len(mounted[0]) == 1
+    assert volumes[mounted[0].pop()]["emptyDir"]["medium"] == "Memory"
+    # Elsewhere the drafter is another pod: no socket to share.
+    for overlay in ("k8s", "k8s/overlays/dev-no-tls"):
+        assert "--drafter-socket" not in _containers(built[overlay])["verifier"][0]["args"]
+
+
 def test_network_policy_lets_only_verifiers_reach_the_drafter(built):
     policies = _of(built["k8s"], "NetworkPolicy")
     grpc_from = {}
