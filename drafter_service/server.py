@@ -141,11 +141,13 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
         await self._serve_stream(context.read, context.write, context.peer())
 
     async def serve_socket(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """A Draft stream from the step socket (specwire.step_socket): the same steps as over gRPC. A verifier
-        connects only after its gRPC handshake, so one that comes while loading or draining is turned away."""
+        """A Draft stream from the step socket (specwire.step_socket): this drafter's DrafterInfo first, then
+        the same steps as over gRPC. A verifier connects only after its gRPC handshake, so one that comes
+        while loading or draining is turned away."""
         messages = MessageSocket(reader, writer, pb.DraftStep, self.max_message_bytes)
         try:
             if self.proposer is not None and not self.draining.is_set():
+                await messages.write(self.info)
                 await self._serve_stream(messages.read, messages.write, "step socket")
         except (FrameError, OSError) as e:  # garbage or a reset: this stream ends, the drafter serves on
             self.metrics.bad_payloads.labels(reason="link_error").inc()

@@ -2,6 +2,8 @@
 
 The handshake stays on gRPC (its checks, TLS and token apply there); only the per-round DraftStep /
 DraftResult messages move to the socket, each as a 4-byte little-endian length and the protobuf's bytes.
+The drafter's first message on a new connection is its DrafterInfo, so that a verifier can tell the socket
+belongs to the drafter it shook hands with.
 That skips HTTP/2 framing and grpc's per-message machinery, the floor of a gRPC round trip
 (bench/results/link_round_trip_cpu/). The socket file is owner-only (0600): no other user of the host can
 connect, so it needs no token of its own.
@@ -40,8 +42,10 @@ class MessageSocket:
             raise OSError(e.errno, f"step socket {path}: {e.strerror}") from None
         return cls(reader, writer, message_type, max_bytes)
 
-    async def read(self) -> Message | None:
-        """The next message; None when the other end closed the stream between messages."""
+    async def read(self, message_type: type[Message] | None = None) -> Message | None:
+        """The next message (of the stream's type unless given); None when the other end closed the stream
+        between messages."""
+        message_type = message_type or self._type
         try:
             header = await self._reader.readexactly(_HEADER.size)
         except asyncio.IncompleteReadError as e:
@@ -50,15 +54,15 @@ class MessageSocket:
             return None
         (size,) = _HEADER.unpack(header)
         if size > self.max_bytes:
-            raise FrameError(f"a {size}-byte {self._type.__name__} is over the {self.max_bytes}-byte limit")
+            raise FrameError(f"a {size}-byte {message_type.__name__} is over the {self.max_bytes}-byte limit")
         try:
             data = await self._reader.readexactly(size)
         except asyncio.IncompleteReadError as e:
             raise FrameError(f"the stream ended {len(e.partial)} bytes into a {size}-byte message") from None
         try:
-            return self._type.FromString(data)
+            return message_type.FromString(data)
         except DecodeError as e:
-            raise FrameError(f"undecodable {self._type.__name__} ({size} bytes): {e}") from None
+            raise FrameError(f"undecodable {message_type.__name__} ({size} bytes): {e}") from None
 
     async def write(self, message: Message) -> None:
         if self._writer.is_closing():  # the other end left (uvloop would raise RuntimeError, not OSError)

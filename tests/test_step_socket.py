@@ -116,9 +116,46 @@ def test_a_drafter_without_the_socket_costs_speculation_only(world, tmp_path):
         v.close()
 
 
-async def _garbage_server(path: str, reply: bytes) -> asyncio.Server:
-    """A socket that answers every connection's first bytes with `reply`, then keeps the connection open."""
+class OtherHeadDrafter(DrafterService):
+    """A real drafter that names another head: what a verifier pointed at the wrong socket would meet."""
+
+    def load(self, *args, **kwargs) -> None:
+        super().load(*args, **kwargs)
+        self.info.head = "eagle1:another"
+
+
+def test_the_socket_of_another_drafter_is_refused_with_both_named(world, tmp_path, caplog):
+    path = str(tmp_path / "other.sock")
+    other = Drafter(world.loop, world.checkpoint, world.tokenizer.fingerprint, service_class=OtherHeadDrafter,
+                    step_socket=path)
+    v = Verifier(world.loop, world.checkpoint, world.tokenizer, world.drafter.port, drafter_socket=path)
+    try:
+        poll(lambda: "belongs to another drafter" in v.server.scheduler.link.last_error, what="the refusal")
+        error = v.server.scheduler.link.last_error
+        assert path in error and "'eagle1:another'" in error and "'eagle1:bigram'" in error
+        assert not v.info().speculation.drafter_connected
+        batch = prompts(2, seed=47)
+        assert generate_each(v, batch, max_tokens=8) == greedy_reference(world.checkpoint, batch, 8)
+        assert v.counter(v.metrics.num_draft_tokens) == 0
+    finally:
+        v.close()
+        other.kill()
+
+
+def frame(message) -> bytes:
+    """A message as the step socket carries it: its length, then its bytes."""
+    data = message.SerializeToString()
+    return len(data).to_bytes(4, "little") + data
+
+
+UNDECODABLE = b"\x05\x00\x00\x00\xff\xff\xff\xff\xff"
+OVERSIZED = (1 << 30).to_bytes(4, "little")
+
+
+async def _garbage_server(path: str, hello: bytes, reply: bytes) -> asyncio.Server:
+    """A socket that sends `hello` to every connection at once and `reply` once the verifier has written."""
     async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(hello)
         await reader.read(1)
         writer.write(reply)
         await reader.read()  # until the verifier hangs up
@@ -126,11 +163,14 @@ async def _garbage_server(path: str, reply: bytes) -> asyncio.Server:
     return await serve(path, answer)
 
 
-@pytest.mark.parametrize("reply", [b"\x05\x00\x00\x00\xff\xff\xff\xff\xff", (1 << 30).to_bytes(4, "little")],
-                         ids=["undecodable", "oversized"])
-def test_garbage_from_the_socket_is_refused_counted_and_falls_back(world, tmp_path, reply, caplog):
+@pytest.mark.parametrize(("first", "reply", "named"), [
+    ("info", UNDECODABLE, "DraftResult"), ("info", OVERSIZED, "DraftResult"),
+    ("garbage", b"", "DrafterInfo")], ids=["undecodable_result", "oversized_result", "undecodable_hello"])
+def test_garbage_from_the_socket_is_refused_counted_and_falls_back(world, tmp_path, first, reply, named,
+                                                                    caplog):
     path = str(tmp_path / "garbage.sock")
-    garbage = world.loop.run(_garbage_server(path, reply))
+    hello = frame(world.drafter.service.info) if first == "info" else UNDECODABLE
+    garbage = world.loop.run(_garbage_server(path, hello, reply))
     v = Verifier(world.loop, world.checkpoint, world.tokenizer, world.drafter.port, drafter_socket=path,
                  step_timeout=0.5, table_wait=0.2, just_in_time_wait=0.2)
     try:
@@ -138,7 +178,7 @@ def test_garbage_from_the_socket_is_refused_counted_and_falls_back(world, tmp_pa
         assert generate_each(v, batch, max_tokens=10) == greedy_reference(world.checkpoint, batch, 10)
         poll(lambda: v.counter(v.metrics.bad_payloads, reason="link_error") > 0, what="the refusal")
         reasons = [getattr(r, "reason", "") for r in caplog.records if r.getMessage() == "drafter link error"]
-        assert any("DraftResult" in reason for reason in reasons), reasons
+        assert any(named in reason for reason in reasons), reasons
         assert v.counter(v.metrics.num_draft_tokens) == 0
     finally:
         v.close()
@@ -150,13 +190,13 @@ def test_garbage_into_the_drafters_socket_ends_that_stream_only(world):
 
     async def send_garbage() -> bytes:
         reader, writer = await asyncio.open_unix_connection(world.path)
-        writer.write((1 << 30).to_bytes(4, "little"))
-        answer = await reader.read()  # the drafter hangs up
+        writer.write(OVERSIZED)
+        answer = await reader.read()  # the drafter says who it is, then hangs up
         writer.close()
         return answer
 
     before = d.metrics.bad_payloads.labels(reason="link_error")._value.get()
-    assert world.loop.run(send_garbage(), timeout=10) == b""
+    assert world.loop.run(send_garbage(), timeout=10) == frame(d.service.info)
     poll(lambda: d.metrics.bad_payloads.labels(reason="link_error")._value.get() > before, what="the count")
     batch = prompts(2, seed=45)  # the verifier's own stream is untouched
     assert (generate_each(world.verifier, batch, max_tokens=12)

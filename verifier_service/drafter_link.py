@@ -33,6 +33,10 @@ class HandshakeRefused(ValueError):
     """The drafter does not fit this verifier (vocabulary, hidden size, tokenizer, features)."""
 
 
+def _describe(info: pb.DrafterInfo) -> str:
+    return f"head {info.head!r}, feature_dim {info.feature_dim}, max_branches {info.max_branches}"
+
+
 _EXPIRED = object()  # a step future's result at its deadline: `result` counts the timeout and returns None
 
 
@@ -266,8 +270,7 @@ class DrafterLink(_StepResults):
         if self.socket_path is None:
             self._call = call = stub.Draft()
         else:
-            max_bytes = self.channel_options.max_message_bytes
-            self._call = call = await MessageSocket.connect(self.socket_path, pb.DraftResult, max_bytes)
+            self._call = call = await self._open_socket(response.drafter)
         self._outbox = asyncio.Queue()
         self._writer = asyncio.get_running_loop().create_task(self._write(call, self._outbox))
         self.epoch += 1
@@ -276,6 +279,22 @@ class DrafterLink(_StepResults):
                                              "step_socket": self.socket_path})
         self.on_connect()
         return time.perf_counter()
+
+    async def _open_socket(self, drafter: pb.DrafterInfo) -> MessageSocket:
+        """The step socket's stream, once its first message shows it is the drafter of the handshake."""
+        path, max_bytes = self.socket_path, self.channel_options.max_message_bytes
+        messages = await MessageSocket.connect(path, pb.DraftResult, max_bytes)
+        try:
+            info = await asyncio.wait_for(messages.read(pb.DrafterInfo), timeout=5.0)
+            if info is None:
+                raise OSError(f"step socket {path}: the drafter closed it before saying who it is")
+            if info != drafter:
+                raise HandshakeRefused(f"step socket {path} belongs to another drafter ({_describe(info)}) "
+                                       f"than {self.target} ({_describe(drafter)})")
+        except BaseException:
+            messages.close()
+            raise
+        return messages
 
     async def _write(self, call: grpc.aio.StreamStreamCall | MessageSocket, outbox: asyncio.Queue) -> None:
         """The stream's writer: one write at a time, in order, so that a sender never waits for one."""
