@@ -2,11 +2,10 @@
 
 The handshake stays on gRPC (its checks, TLS and token apply there); only the per-round DraftStep /
 DraftResult messages move to the socket, each as a 4-byte little-endian length and the protobuf's bytes.
-The drafter's first message on a new connection is its DrafterInfo, so that a verifier can tell the socket
-belongs to the drafter it shook hands with.
 That skips HTTP/2 framing and grpc's per-message machinery, the floor of a gRPC round trip
-(bench/results/link_round_trip_cpu/). The socket file is owner-only (0600): no other user of the host can
-connect, so it needs no token of its own.
+(bench/results/link_round_trip_cpu/). The drafter's first message on a new connection is its DrafterInfo,
+so that a verifier can tell the socket belongs to the drafter it shook hands with. The socket file is
+owner-only (0600): no other user of the host can connect, so it needs no token of its own.
 """
 
 from __future__ import annotations
