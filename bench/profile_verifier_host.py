@@ -242,8 +242,9 @@ def main() -> int:
     tokenizer = load_tokenizer(default_model_path())
     verifier_loop = Loop()
     drafter_loop = drafter = None
-    socket_path = str(pathlib.Path(tempfile.mkdtemp(prefix="specwire-host-")) / "drafter.sock")
-    socket_path = socket_path if args.step_socket and not args.target_only else None
+    socket_path = None
+    if args.step_socket and not args.target_only:
+        socket_path = str(pathlib.Path(tempfile.mkdtemp(prefix="specwire-host-")) / "drafter.sock")
     if not args.target_only:
         drafter_loop = Loop()
         drafter = Drafter(drafter_loop, checkpoint, tokenizer.fingerprint, device=args.drafter_device,

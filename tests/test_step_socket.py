@@ -16,6 +16,7 @@ from test_services_e2e import (
     Drafter,
     Loop,
     Verifier,
+    generate_all,
     greedy_reference,
     poll,
     prompts,
@@ -66,17 +67,17 @@ def world(tmp_path_factory):
     loop.close()
 
 
-def generate_each(v: Verifier, batch: list[list[int]], **sampling) -> list[list[int]]:
-    return [v.generate(p, **sampling)[0] for p in batch]
+def token_ids(v: Verifier, batch: list[list[int]], **sampling) -> list[list[int]]:
+    return [ids for ids, _, _ in generate_all(v, batch, **sampling)]
 
 
 def test_output_over_the_socket_equals_target_only_greedy_and_seeded(world):
     v = world.verifier
     greedy = prompts(6, seed=41)
-    assert generate_each(v, greedy, max_tokens=20) == greedy_reference(world.checkpoint, greedy, 20)
+    assert token_ids(v, greedy, max_tokens=20) == greedy_reference(world.checkpoint, greedy, 20)
     sampled = prompts(4, seed=42)
     sampling = {"temperature": 0.3, "top_p": 0.9, "seed": 777}
-    assert (generate_each(v, sampled, max_tokens=16, **sampling)
+    assert (token_ids(v, sampled, max_tokens=16, **sampling)
             == seeded_reference(world.checkpoint, sampled, 16, 0.3, 0.9, 777))
     assert v.counter(v.metrics.num_accepted_tokens) > 0  # drafts came and were verified
     assert world.drafter.service.streams == ["socket"], "the Draft stream did not go over the socket"
@@ -111,7 +112,7 @@ def test_a_drafter_without_the_socket_costs_speculation_only(world, tmp_path):
         poll(lambda: missing in v.server.scheduler.link.last_error, what="the socket error")
         assert not v.info().speculation.drafter_connected
         batch = prompts(2, seed=43)
-        assert generate_each(v, batch, max_tokens=8) == greedy_reference(world.checkpoint, batch, 8)
+        assert token_ids(v, batch, max_tokens=8) == greedy_reference(world.checkpoint, batch, 8)
     finally:
         v.close()
 
@@ -135,7 +136,7 @@ def test_the_socket_of_another_drafter_is_refused_with_both_named(world, tmp_pat
         assert path in error and "'eagle1:another'" in error and "'eagle1:bigram'" in error
         assert not v.info().speculation.drafter_connected
         batch = prompts(2, seed=47)
-        assert generate_each(v, batch, max_tokens=8) == greedy_reference(world.checkpoint, batch, 8)
+        assert token_ids(v, batch, max_tokens=8) == greedy_reference(world.checkpoint, batch, 8)
         assert v.counter(v.metrics.num_draft_tokens) == 0
     finally:
         v.close()
@@ -175,7 +176,7 @@ def test_garbage_from_the_socket_is_refused_counted_and_falls_back(world, tmp_pa
                  step_timeout=0.5, table_wait=0.2, just_in_time_wait=0.2)
     try:
         batch = prompts(3, seed=44)
-        assert generate_each(v, batch, max_tokens=10) == greedy_reference(world.checkpoint, batch, 10)
+        assert token_ids(v, batch, max_tokens=10) == greedy_reference(world.checkpoint, batch, 10)
         poll(lambda: v.counter(v.metrics.bad_payloads, reason="link_error") > 0, what="the refusal")
         reasons = [getattr(r, "reason", "") for r in caplog.records if r.getMessage() == "drafter link error"]
         assert any(named in reason for reason in reasons), reasons
@@ -199,7 +200,7 @@ def test_garbage_into_the_drafters_socket_ends_that_stream_only(world):
     assert world.loop.run(send_garbage(), timeout=10) == frame(d.service.info)
     poll(lambda: d.metrics.bad_payloads.labels(reason="link_error")._value.get() > before, what="the count")
     batch = prompts(2, seed=45)  # the verifier's own stream is untouched
-    assert (generate_each(world.verifier, batch, max_tokens=12)
+    assert (token_ids(world.verifier, batch, max_tokens=12)
             == greedy_reference(world.checkpoint, batch, 12))
 
 
