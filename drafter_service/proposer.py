@@ -18,6 +18,7 @@ import functools
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+import numpy as np
 import torch
 from specwire.drafter.draft_sampling import sample_drafts
 from specwire.drafter.eagle_head import EagleHead
@@ -25,6 +26,8 @@ from specwire.kernels.rejection_sampler import DraftProbs
 
 from specwire.engine import capture, on_own_device
 from specwire.model import KVCache
+from specwire.staging import StagedInputs
+from specwire.wire import as_numpy
 
 
 class ProposerError(ValueError):
@@ -48,7 +51,7 @@ class Branch(NamedTuple):
 
 
 class Proposal(NamedTuple):
-    token_ids: torch.Tensor  # [sum k_b] int64 (target ids), rows in the order of propose's request_ids
+    token_ids: torch.Tensor  # [sum k_b] int64 target ids, on the CPU, in the order of propose's request_ids
     num_drafts: torch.Tensor  # [B] int32 on the CPU; below the asked k near the end of the context
     probs: DraftProbs | None  # None when every row is greedy; sparse when every sampled row is top-K
 
@@ -126,10 +129,13 @@ class EagleProposer:
 
         n, T, K, dev = max_requests, max_drafts + 1, max_drafts, self.device
         self._T = T
-        self._meta = torch.zeros(5, n, dtype=torch.int32, device=dev)
-        self._temperature = torch.zeros(n, dtype=torch.float32, device=dev)
-        self._input_ids = torch.zeros(n, T, dtype=torch.int64, device=dev)
-        self._features = torch.zeros(n, T, head.config.feature_dim, dtype=head.dtype, device=dev)
+        # Inputs of every run, written on the host and sent over in one copy (features last: a batch sends
+        # only its rows of them).
+        self._inputs = StagedInputs({
+            "meta": ((5, n), torch.int32), "temperature": ((n,), torch.float32),
+            "input_ids": ((n, T), torch.int64), "features": ((n, T, head.config.feature_dim), head.dtype),
+        }, dev)
+        self._meta, self._temperature, self._input_ids, self._features = self._inputs.tensors.values()
         # Outputs, written by every (replayed) run: the proposer's own float32 buffers.
         self._tokens = torch.zeros(n, K, dtype=torch.int64, device=dev)
         self._top_idx = torch.zeros(n, K, max_top_k, dtype=torch.int64, device=dev)
@@ -137,6 +143,7 @@ class EagleProposer:
         self._full_q = torch.zeros(n, K, head.vocab_size, dtype=torch.float32, device=dev)
         self._confident = torch.zeros(n, dtype=torch.int64, device=dev)  # drafts before a step below it
         self._meta[self._SLOT] = self.cache.trash_slot
+        self._inputs.host["meta"][self._SLOT] = self.cache.trash_slot
         if max_branches:
             self._init_branch_buffers()
 
@@ -304,28 +311,23 @@ class EagleProposer:
     def _load_batch(
         self, requests: list[_Request], ks: list[int], temperature: list[float], top_k: list[int], size: int
     ) -> None:
-        """Rewrite every input buffer of rows [0, size): live rows from the requests, the rest as padding.
-        Built on the host, then one non-blocking copy per buffer (the pending features of all rows in one)."""
-        T, pad = self._T, size - len(requests)
-        meta = torch.tensor([
-            [r.slot for r in requests] + [self.cache.trash_slot] * pad,
-            [r.num_cached for r in requests] + [0] * pad,
-            [r.num_pending for r in requests] + [0] * pad,
-            [*ks, *[0] * pad],
-            [*top_k, *[0] * pad],
-        ], dtype=torch.int32)
-        ids = torch.tensor([r.pending_tokens + [0] * (T - r.num_pending) for r in requests] + [[0] * T] * pad,
-                           dtype=torch.int64)
-        temps = torch.tensor([*temperature, *[0.0] * pad], dtype=torch.float32)
-        self._meta[:, :size].copy_(meta, non_blocking=True)
-        self._temperature[:size].copy_(temps, non_blocking=True)
-        self._input_ids[:size].copy_(ids, non_blocking=True)
-        flat_rows = [b * T + i for b, r in enumerate(requests) for i in range(r.num_pending)]
-        if flat_rows:
-            feats = torch.cat([f for r in requests for f in r.pending_features])
-            feats = feats.to(self.device, non_blocking=True)
-            index = torch.tensor(flat_rows).to(self.device, non_blocking=True)
-            self._features.view(-1, self._features.shape[-1]).index_copy_(0, index, feats)
+        """Rewrite every input of rows [0, size) on the host, live rows from the requests, the rest as
+        padding (trash slot, nothing pending, greedy), then send them over in one copy."""
+        B = len(requests)
+        self._inputs.wait_free()
+        meta, temps, ids, features = self._inputs.host.values()
+        meta[:, :B] = [[r.slot for r in requests], [r.num_cached for r in requests],
+                       [r.num_pending for r in requests], ks, top_k]
+        meta[:, B:size] = np.array([[self.cache.trash_slot], [0], [0], [0], [0]])
+        temps[:B], temps[B:size] = temperature, 0.0
+        ids[:size] = 0
+        for b, r in enumerate(requests):
+            ids[b, :r.num_pending] = r.pending_tokens
+            first = 0
+            for rows in r.pending_features:
+                features[b, first:first + len(rows)] = as_numpy(rows)
+                first += len(rows)
+        self._inputs.send("features", size)
 
     def _draft_loop(self, size: int, mode: str, steps: int | None = None, keep_chain: bool = False) -> None:
         """The graph body: first step over the pending pairs, then max_drafts - 1 single-token steps.
@@ -664,13 +666,15 @@ class EagleProposer:
     def _proposal(self, ks: list[int], temperature: list[float], top_k: list[int]) -> Proposal:
         """Pack rows [b, :k_b] of the output buffers; choose the smallest exact q payload."""
         K = self.max_drafts
-        index = torch.tensor([b * K + j for b, k in enumerate(ks) for j in range(k)], dtype=torch.int64)
-        index = index.to(self.device, non_blocking=True)
-        token_ids = self._tokens.view(-1).index_select(0, index)
+        rows = self._tokens[:len(ks)].tolist()  # the wait for the drafts, and their one copy back
+        token_ids = torch.tensor([t for row, k in zip(rows, ks, strict=True) for t in row[:k]],
+                                 dtype=torch.int64)
         num_drafts = torch.tensor(ks, dtype=torch.int32)
         sampled = [(t, tk) for t, tk, k in zip(temperature, top_k, ks, strict=True) if t > 0 and k > 0]
         if not sampled:
             return Proposal(token_ids, num_drafts, None)
+        index = torch.tensor([b * K + j for b, k in enumerate(ks) for j in range(k)], dtype=torch.int64)
+        index = index.to(self.device, non_blocking=True)
         to_target = self.head.draft_to_target
         top_idx = self._top_idx.flatten(0, 1).index_select(0, index)
         top_q = self._top_q.flatten(0, 1).index_select(0, index)

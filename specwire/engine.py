@@ -18,6 +18,7 @@ from specwire.kernels.rejection_sampler import rejection_sample
 from specwire.model import KVCache, LlamaModel, ModelOutput
 from specwire.model_source import load_model
 from specwire.sampling_params import SamplingParams
+from specwire.staging import StagedInputs
 from specwire.tokenizer import IncrementalDetokenizer, Tokenizer
 
 DTYPES = {
@@ -129,14 +130,12 @@ class StepGraphs:
         self.sizes, self.width = capture_sizes(max_batch), width
         self.trash = cache.trash_slot
         device, n = model.device, self.sizes[-1]
-        # The static inputs are views of one int32 block (input_ids as int64 at its front), mirrored by a
-        # pinned host block: a step is written on the host and goes over in one non-blocking copy.
-        block = torch.zeros(2 * n * width + 3 * n, dtype=torch.int32, device=device)
-        self.input_ids, self.start_pos, self.num_tokens, self.slots = self._inputs(block, n, width)
+        # A step's inputs are written on the host and go over in one non-blocking copy.
+        self._inputs = StagedInputs({"input_ids": ((n, width), torch.int64), "start_pos": ((n,), torch.int32),
+                                     "num_tokens": ((n,), torch.int32), "slots": ((n,), torch.int32)}, device)
+        self.input_ids, self.start_pos, self.num_tokens, self.slots = self._inputs.tensors.values()
         self.slots.fill_(self.trash)
-        self._block, self._host = block, block.cpu().pin_memory()
-        self._host_inputs = [view.numpy() for view in self._inputs(self._host, n, width)]
-        self._copied = torch.cuda.Event()  # recorded after each copy out of the host block
+        self._inputs.host["slots"][:] = self.trash
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, ModelOutput] = {}
 
@@ -159,12 +158,6 @@ class StepGraphs:
     def fits(self, batch: int, width: int) -> bool:
         return batch <= self.sizes[-1] and width <= self.width
 
-    @staticmethod
-    def _inputs(block: torch.Tensor, n: int, width: int) -> list[torch.Tensor]:
-        """input_ids [n, width] int64, start_pos, num_tokens, slots [n] int32: views of an int32 block."""
-        ids = block[:2 * n * width].view(torch.int64).view(n, width)
-        return [ids, *block[2 * n * width:].view(3, n)]
-
     def prepare(
         self, slots: torch.Tensor, tokens: torch.Tensor, num_tokens: torch.Tensor, positions: torch.Tensor
     ) -> int:
@@ -173,16 +166,15 @@ class StepGraphs:
         replay. Host tensors are cheapest (device ones are read back first)."""
         b, w = tokens.shape
         size = next(s for s in self.sizes if s >= b)
-        self._copied.synchronize()  # free at once unless the last step's inputs are still going over
-        ids, start_pos, counts, slot_ids = self._host_inputs
+        self._inputs.wait_free()
+        ids, start_pos, counts, slot_ids = self._inputs.host.values()
         ids[:b, :w] = tokens.cpu().numpy()
         ids[:b, w:] = 0
         start_pos[:b] = positions.cpu().numpy()
         counts[:b] = num_tokens.cpu().numpy()
         slot_ids[:b] = slots.cpu().numpy()
         ids[b:size], start_pos[b:size], counts[b:size], slot_ids[b:size] = 0, 0, 0, self.trash
-        self._block.copy_(self._host, non_blocking=True)
-        self._copied.record()
+        self._inputs.send()
         return size
 
     def replay(self, size: int) -> ModelOutput:

@@ -8,6 +8,7 @@ import math
 import sys
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from specwire.v1 import drafter_pb2 as pb
@@ -60,13 +61,34 @@ def encode_row_blocks(tensor: torch.Tensor, counts: Sequence[int]) -> list[pb.Te
     return messages
 
 
+def as_numpy(tensor: torch.Tensor) -> np.ndarray:
+    """A CPU tensor's memory as a numpy array, shared (bfloat16 as its raw 16 bits: numpy has no twin)."""
+    return tensor.view(_BYTE_VIEW.get(tensor.dtype, tensor.dtype)).numpy()
+
+
+def from_numpy(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    """as_numpy's inverse: the array's memory as a tensor of `dtype`, shared."""
+    return torch.from_numpy(array).view(dtype)
+
+
+def encode_arrays(arrays: Sequence[tuple[np.ndarray, torch.dtype]], dtype: torch.dtype) -> list[pb.Tensor]:
+    """Arrays, each the raw memory of the dtype paired with it (as as_numpy gives it; any strides), as Tensor
+    messages of `dtype`: their bytes as they are where the dtypes match, else converted by torch in one go."""
+    if all(held == dtype for _, held in arrays):
+        return [pb.Tensor(data=a.tobytes(), dtype=_WIRE_DTYPE[dtype], shape=list(a.shape)) for a, _ in arrays]
+    if len({a.shape[1:] for a, _ in arrays}) > 1:
+        raise WireError(f"arrays of shapes {[list(a.shape) for a, _ in arrays]} differ past their first dim")
+    rows = torch.cat([from_numpy(a, held).to(dtype) for a, held in arrays])
+    return encode_row_blocks(rows, [len(a) for a, _ in arrays])
+
+
 def _host_bytes(tensor: torch.Tensor) -> tuple[torch.Tensor, bytes]:
     """The tensor on the CPU, and its raw bytes in row-major order (numpy copies any strides to bytes in one
     call, so a strided view, such as a branch's q, needs no contiguous copy first)."""
     if tensor.dtype not in _WIRE_DTYPE:
         raise WireError(f"cannot encode dtype {tensor.dtype}; supported: {sorted(map(str, _WIRE_DTYPE))}")
     host = tensor.detach().cpu()
-    return host, host.view(_BYTE_VIEW.get(host.dtype, host.dtype)).numpy().tobytes()
+    return host, as_numpy(host).tobytes()
 
 
 def decode_tensor(

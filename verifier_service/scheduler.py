@@ -37,8 +37,9 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
-from specwire.kernels.rejection_sampler import rejection_sample
+from specwire.kernels.rejection_sampler import SampleOutput, rejection_sample
 from specwire.verifier.alignment import (
     AlignedResult,
     BatchDrafts,
@@ -61,7 +62,7 @@ from specwire.step_profiler import StepProfiler
 from specwire.tokenizer import IncrementalDetokenizer, Tokenizer
 from specwire.v1 import drafter_pb2 as dpb
 from specwire.v1 import generation_pb2 as gpb
-from specwire.wire import PROTOCOL_VERSION, encode_row_blocks
+from specwire.wire import PROTOCOL_VERSION, as_numpy, encode_arrays
 
 log = logging.getLogger("specwire.verifier.scheduler")
 
@@ -117,21 +118,23 @@ class Output:
 
 
 class FeatureRows:
-    """A request's target features, one row per token but the last, with amortised O(1) appends."""
+    """A request's target features, one row per token but the last, with amortised O(1) appends. The rows
+    are numpy over the tensors' memory (wire.as_numpy): each round appends and slices a few rows per request,
+    which numpy does in a microsecond, without torch's dispatch and its release and retake of the GIL."""
 
-    def __init__(self, rows: torch.Tensor):
-        self._data, self.length = rows, rows.shape[0]
+    def __init__(self, rows: np.ndarray, dtype: torch.dtype):
+        self._data, self.length, self.dtype = rows, rows.shape[0], dtype
 
-    def append(self, rows: torch.Tensor) -> None:
+    def append(self, rows: np.ndarray) -> None:
         end = self.length + rows.shape[0]
         if end > self._data.shape[0]:
-            grown = self._data.new_empty(max(end, 2 * self._data.shape[0]), self._data.shape[1])
+            grown = np.empty((max(end, 2 * self._data.shape[0]), self._data.shape[1]), self._data.dtype)
             grown[:self.length] = self._data[:self.length]
             self._data = grown
         self._data[self.length:end] = rows
         self.length = end
 
-    def __getitem__(self, rows: slice) -> torch.Tensor:
+    def __getitem__(self, rows: slice) -> np.ndarray:
         return self._data[:self.length][rows]
 
 
@@ -230,7 +233,8 @@ class _Step:
     """One verification's results, computed on the worker thread."""
 
     tokens: list[list[int]]
-    features: list[torch.Tensor] | None
+    features: list[np.ndarray] | None  # per request, its rows of the feature table (wire.as_numpy)
+    feature_dtype: torch.dtype | None = None
 
 
 class Scheduler:
@@ -260,7 +264,7 @@ class Scheduler:
         self._drafting = DraftingMode(config.drafting_epoch) if config.drafting_epoch > 0 else None
         self._unfinished: deque[tuple] = deque()  # verified rounds whose tokens are not streamed yet
         self._forcing = random.Random(0)  # forced_hit_rate's draws
-        self._feature_columns: torch.Tensor | slice | None = None
+        self._feature_columns: np.ndarray | slice | None = None
         self._feature_dtype = torch.float32
         self._readback = _Readback()  # the worker's feature table on its way to the host
         # News for the scheduler (a request came or was aborted, the drafter connected, closing): wakes the
@@ -409,7 +413,7 @@ class Scheduler:
         step = await self._compute(self._prefill_on_worker, admitted)
         for r, tokens in zip(admitted, step.tokens, strict=True):
             if step.features is not None:
-                r.features = FeatureRows(step.features.pop(0))
+                r.features = FeatureRows(step.features.pop(0), step.feature_dtype)
             self.metrics.prompt_tokens.inc(len(r.prompt))
             if r.live:  # as in _verify: an abort that came in during the step wins
                 self._emit(r, tokens)
@@ -721,17 +725,21 @@ class Scheduler:
         out = self.engine.prefill([(r.slot, r.prompt) for r in admitted])
         self.metrics.forward_steps_by_mode["eager"].inc()
         none = BatchDrafts([[] for _ in admitted], None)
-        tokens = self._sample(out.logits, admitted, none)
-        features = None
-        if self.link is not None:
-            rows = self._feature_table(out.hidden, out.aux_hidden).cpu()
-            features = list(rows.split([len(r.prompt) for r in admitted]))
-        return _Step(tokens, features)
+        tokens = self._sample(out.logits, admitted, none).token_lists()
+        if self.link is None:
+            return _Step(tokens, None)
+        table = self._feature_table(out.hidden, out.aux_hidden).cpu()
+        rows, first, features = as_numpy(table), 0, []
+        for r in admitted:
+            features.append(rows[first:first + len(r.prompt)])
+            first += len(r.prompt)
+        return _Step(tokens, features, table.dtype)
 
     @torch.inference_mode()
     def _verify_on_worker(self, live: list[Request], batch: BatchDrafts, on_launch=lambda: None) -> _Step:
-        """on_launch: called once the target's forward is queued on the device (on a CPU, where the forward
-        runs right here, before it, so that the drafter works during it)."""
+        """on_launch: called once the target's forward and the sampler are queued on the device (on a CPU,
+        where the forward runs right here, before it, so that the drafter works during it). Until then the
+        loop keeps off the GIL, which each of the worker's host-side torch calls takes back."""
         started = time.perf_counter()
         queued = self.engine.device.type == "cuda"
         if not queued:
@@ -745,32 +753,34 @@ class Scheduler:
         else:
             out = self.engine.decode(slots, [r.tokens[-1] for r in live], starts)
             width = 1
-        if queued:
-            on_launch()
         mode = "eager" if self.engine.graphs_for(len(live), width) is None else "cuda_graph"
         self.metrics.forward_steps_by_mode[mode].inc()
         # Every fed row's features start towards the host now, overlapping the sampler; the settled rows are
         # picked on the host once the sampler has said how many there are.
         if self.link is not None:
             self._readback.start(self._feature_table(out.hidden, out.aux_hidden))
-        tokens = self._sample(out.logits, live, batch)
-        features = None
+        sampled = self._sample(out.logits, live, batch)
+        if queued:
+            on_launch()
+        tokens = sampled.token_lists()  # the first wait for the device
+        features = dtype = None
         if self.link is not None:  # the rows the target ran on whose next token is now settled
             # Views of the readback buffer: _round copies them into each request's FeatureRows before the
             # next verification reuses it.
-            rows, features, first = self._readback.wait(), [], 0
+            table = self._readback.wait()
+            rows, features, first, dtype = as_numpy(table), [], 0, table.dtype
             for drafted, settled in zip(batch.num_drafts, tokens, strict=True):
                 features.append(rows[first:first + len(settled)])
                 first += drafted + 1
         self.metrics.verify_step_time.observe(time.perf_counter() - started)
         self._profiler.step()
-        return _Step(tokens, features)
+        return _Step(tokens, features, dtype)
 
-    def _sample(self, logits: torch.Tensor, requests: list[Request], batch: BatchDrafts) -> list[list[int]]:
+    def _sample(self, logits: torch.Tensor, requests: list[Request], batch: BatchDrafts) -> SampleOutput:
         def column(values: list, dtype: torch.dtype) -> torch.Tensor:
             return torch.tensor(values, dtype=dtype)
 
-        out = rejection_sample(  # draft ids and q go over on the host: the sampler moves them to the logits
+        return rejection_sample(  # draft ids and q go over on the host: the sampler moves them to the logits
             logits,
             column([t for d in batch.token_ids for t in d], torch.int64),
             column(batch.num_drafts, torch.int32),
@@ -783,7 +793,6 @@ class Scheduler:
             synthetic_acceptance=rates_tensor(self.config.forced_acceptance),
             defer_check=True,  # no wait for the device until the one copy back, which also checks
         )
-        return out.token_lists()
 
     @staticmethod
     def _feature_table(hidden: torch.Tensor, aux: torch.Tensor | None) -> torch.Tensor:
@@ -819,6 +828,8 @@ class Scheduler:
                                    f"sends float32, bfloat16 or float16")
         if blocks == list(range(blocks[0], blocks[0] + len(blocks))):  # adjacent blocks: a slice, no gather
             columns = slice(blocks[0] * H, (blocks[-1] + 1) * H)
+        else:
+            columns = columns.numpy()
         self._feature_columns, self._feature_dtype = columns, dtype
 
     def _on_drafter_connect(self) -> None:
@@ -854,11 +865,10 @@ class Scheduler:
         return Want(k, temperature, top_k)
 
     def _features(self, sends: list[tuple[Request, int]]) -> list[dpb.Tensor]:
-        """Per (request, first token to send): the features of the positions before those tokens, picked
-        and converted for the drafter once for the whole step."""
-        blocks = [r.features[max(start - 1, 0):len(r.tokens) - 1] for r, start in sends]
-        rows = torch.cat(blocks)[:, self._feature_columns].to(self._feature_dtype)
-        return encode_row_blocks(rows, [len(b) for b in blocks])
+        """Per (request, first token to send): the features of the positions before those tokens, picked and
+        converted for the drafter (bytes as they are when it takes the dtype the target computes in)."""
+        return encode_arrays([(r.features[max(start - 1, 0):len(r.tokens) - 1][:, self._feature_columns],
+                               r.features.dtype) for r, start in sends], self._feature_dtype)
 
     def _send_step(self, group: list[Request], kind: str, checking: list[int] | None = None
                    ) -> tuple[asyncio.Future, dict] | None:

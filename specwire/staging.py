@@ -1,0 +1,62 @@
+"""Static device inputs that are written on the host and go over in one copy.
+
+A CUDA graph reads its inputs from fixed device buffers. Filling them with one `copy_` each from pageable
+host tensors costs a host call per buffer, and each such copy first waits for the stream (CUDA's rule for
+pageable host-to-device copies). Here the buffers are views of one device block, mirrored by one pinned
+host block that the caller writes through numpy views (no torch dispatch per field): `send` queues a single
+non-blocking copy and returns at once.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from specwire.wire import as_numpy
+
+_ALIGN = 16  # bytes: every view starts aligned, as kernels (Triton's especially) like their pointers
+
+
+class StagedInputs:
+    """Named device tensors (`tensors`) and numpy views of the same bytes of the host mirror (`host`).
+
+    On a CPU device the host views are the tensors' own memory and `send` copies nothing."""
+
+    def __init__(self, fields: dict[str, tuple[tuple[int, ...], torch.dtype]], device: torch.device):
+        self._offsets: dict[str, int] = {}
+        self._row_bytes: dict[str, int] = {}
+        end = 0
+        for name, (shape, dtype) in fields.items():
+            end = -(-end // _ALIGN) * _ALIGN
+            self._offsets[name] = end
+            self._row_bytes[name] = math.prod(shape[1:]) * dtype.itemsize
+            end += math.prod(shape) * dtype.itemsize
+        self._block = torch.zeros(end, dtype=torch.uint8, device=device)
+        cuda = self._block.is_cuda
+        self._host = torch.zeros(end, dtype=torch.uint8).pin_memory() if cuda else self._block
+        self._copied = torch.cuda.Event() if cuda else None  # recorded after each copy out of the host block
+        self._end = end
+
+        def view(block: torch.Tensor, name: str) -> torch.Tensor:
+            shape, dtype = fields[name]
+            start = self._offsets[name]
+            return block[start:start + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
+
+        self.tensors = {name: view(self._block, name) for name in fields}
+        self.host: dict[str, np.ndarray] = {name: as_numpy(view(self._host, name)) for name in fields}
+
+    def wait_free(self) -> None:
+        """Returns once the host block may be written again (at once unless the last send is still going)."""
+        if self._copied is not None:
+            self._copied.synchronize()
+
+    def send(self, last: str | None = None, rows: int = 0) -> None:
+        """Queues the copy of the host block to the device: all of it, or only up to `rows` rows of field
+        `last` (the fields before it whole)."""
+        if self._copied is None:
+            return
+        end = self._end if last is None else self._offsets[last] + rows * self._row_bytes[last]
+        self._block[:end].copy_(self._host[:end], non_blocking=True)
+        self._copied.record()
