@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# A before/after A/B of the services in one call ON nvidia-h200-x2: an older commit's tree against this one,
+# alternately (before, after, before, after: ROUNDS=2), each a bench_services.py run of the given arguments
+# into $OUT/<side>_<round>/, then services_table.py of every run. The older tree is carried as .devcarry/old:
+#
+#   rm -rf .devcarry/old && mkdir -p .devcarry/old && git archive <before> | tar -x -C .devcarry/old \
+#       --exclude=drafter_service/heads          # this tree's heads are linked in
+#
+# SmolLM2, after the two staging calls of run_services_h200x2.sh, carry [".devcarry/smol.part.ac",
+# ".devcarry/wmin", ".devcarry/old"]:
+#   BEFORE=<sha> AFTER=<sha> bash bench/ab_trees_h200x2.sh --workloads smollm2 --setups target_only,two_gpus_socket \
+#       --smollm2-cache off --batch-sizes 1,16 --temperatures 0 --sweep-ks '' --repeats 20
+# The 8B shape, carry [".devcarry/wmin", ".devcarry/old"]:
+#   BEFORE=<sha> AFTER=<sha> bash bench/ab_trees_h200x2.sh --workloads synthetic --lengths 3 --hit-rates 0.8 \
+#       --setups target_only,two_gpus --batch-sizes 1,16 --temperatures 0 --sweep-ks '' --repeats 3
+# DRAFTER_DEVICE / VERIFIER_DEVICE (default cuda:0 / cuda:1) put both services on one GPU.
+set -uo pipefail
+OUT=${OUT:-/tmp/specwire-out}
+M=${MODEL_DIR:-/root/m}
+[ -d .devcarry/old/bench ] || { echo "no .devcarry/old: carry git archive <before> there"; exit 3; }
+if [ ! -f "$M/smol.gguf" ] && [ -f "$M/smol.part.ab" ] && [ -f .devcarry/smol.part.ac ]; then
+    cat "$M/smol.part.aa" "$M/smol.part.ab" .devcarry/smol.part.ac > "$M/smol.gguf" || exit 3
+fi
+model=(); [ -f "$M/smol.gguf" ] && model=(--model "$M/smol.gguf")
+ln -sfn "$PWD/drafter_service/heads" .devcarry/old/drafter_service/heads
+source bench/device_env.sh > /dev/null 2>&1  # installs the carried wheels into /tmp/site for both trees
+export CUDA_DEVICE_ORDER=PCI_BUS_ID
+for round in $(seq "${ROUNDS:-2}"); do
+    for side in before after; do
+        tree=.; [ $side = before ] && tree=.devcarry/old
+        dir="$OUT/${side}_$round"; mkdir -p "$dir"
+        (cd "$tree" && source bench/device_env.sh > /dev/null 2>&1 &&
+         timeout "${RUN_TIMEOUT:-200}" python3 bench/bench_services.py "${model[@]}" \
+            --drafter-device "${DRAFTER_DEVICE:-cuda:0}" --verifier-device "${VERIFIER_DEVICE:-cuda:1}" \
+            --out-dir "$dir" --tag "$side" --commit "${!side^^:-?}-$side" "$@" > "$dir/bench.log" 2>&1)
+        echo "== $side, round $round (exit $?)"
+        for f in "$dir"/services_*.json; do python3 bench/services_table.py "$f" --temperature 0; done
+    done
+done
