@@ -27,12 +27,12 @@ source bench/device_env.sh > /dev/null 2>&1  # installs the carried wheels into 
 export CUDA_DEVICE_ORDER=PCI_BUS_ID
 for round in $(seq "${ROUNDS:-2}"); do
     for side in before after; do
-        tree=.; [ $side = before ] && tree=.devcarry/old
+        tree=.; commit=${AFTER:-?}; [ $side = before ] && tree=.devcarry/old commit=${BEFORE:-?}
         dir="$OUT/${side}_$round"; mkdir -p "$dir"
         (cd "$tree" && source bench/device_env.sh > /dev/null 2>&1 &&
          timeout "${RUN_TIMEOUT:-200}" python3 bench/bench_services.py "${model[@]}" \
             --drafter-device "${DRAFTER_DEVICE:-cuda:0}" --verifier-device "${VERIFIER_DEVICE:-cuda:1}" \
-            --out-dir "$dir" --tag "$side" --commit "${!side^^:-?}-$side" "$@" > "$dir/bench.log" 2>&1)
+            --out-dir "$dir" --tag "$side" --commit "$commit-$side" "$@" > "$dir/bench.log" 2>&1)
         echo "== $side, round $round (exit $?)"
         for f in "$dir"/services_*.json; do python3 bench/services_table.py "$f" --temperature 0; done
     done
