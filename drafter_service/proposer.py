@@ -26,7 +26,7 @@ from specwire.kernels.rejection_sampler import DraftProbs
 
 from specwire.engine import capture, on_own_device
 from specwire.model import KVCache
-from specwire.staging import StagedInputs
+from specwire.staging import StagedInputs, upload
 from specwire.wire import as_numpy
 
 
@@ -524,9 +524,9 @@ class EagleProposer:
         N, trash = self.max_branches, self.cache.trash_slot
         slots = [[self._free_slots.pop() if i < n else trash for i in range(N)] for n in counts]
         slots += [[trash] * N] * (size - B)
-        self._branch_slots[:size].copy_(torch.tensor(slots), non_blocking=True)
+        self._branch_slots[:size].copy_(upload(torch.tensor(slots), self.device))
         verifying_counts = [len(r.verifying) for r in requests] + [0] * (size - B)
-        self._num_verifying[:size].copy_(torch.tensor(verifying_counts), non_blocking=True)
+        self._num_verifying[:size].copy_(upload(torch.tensor(verifying_counts), self.device))
         mode = "branch_greedy" if all(t == 0 for t in temperature) else "branch_top_k"
         if (size, mode) in self.graphs:
             self.graphs[size, mode].replay()
@@ -674,7 +674,7 @@ class EagleProposer:
         if not sampled:
             return Proposal(token_ids, num_drafts, None)
         index = torch.tensor([b * K + j for b, k in enumerate(ks) for j in range(k)], dtype=torch.int64)
-        index = index.to(self.device, non_blocking=True)
+        index = upload(index, self.device)
         to_target = self.head.draft_to_target
         top_idx = self._top_idx.flatten(0, 1).index_select(0, index)
         top_q = self._top_q.flatten(0, 1).index_select(0, index)
@@ -686,9 +686,9 @@ class EagleProposer:
             unused = torch.where(top_q > 0, top_idx, -1)  # -1 marks an unused slot of a shorter row
             return Proposal(token_ids, num_drafts, DraftProbs.sparse(unused, top_q))
         # Some sampled row drafts from the full vocabulary: dense q, truncated rows scattered in.
-        row_full = torch.tensor(
+        row_full = upload(torch.tensor(
             [t > 0 and tk == 0 for t, tk, k in zip(temperature, top_k, ks, strict=True) for _ in range(k)]
-        ).to(self.device, non_blocking=True)
+        ), self.device)
         full_q = self._full_q.flatten(0, 1).index_select(0, index)
         vocab = self.head.config.target_vocab_size
         if to_target is not None:

@@ -18,7 +18,7 @@ from specwire.kernels.rejection_sampler import rejection_sample
 from specwire.model import KVCache, LlamaModel, ModelOutput
 from specwire.model_source import load_model
 from specwire.sampling_params import SamplingParams
-from specwire.staging import StagedInputs
+from specwire.staging import StagedInputs, upload
 from specwire.tokenizer import IncrementalDetokenizer, Tokenizer
 
 DTYPES = {
@@ -356,7 +356,7 @@ class TargetEngine:
         index = None
         if fed < len(counts) * stride:
             index = torch.tensor([i * stride + j for i, n in enumerate(counts) for j in range(n)])
-            index = index.to(self.device, non_blocking=True)
+            index = upload(index, self.device)
 
         def pick(t: torch.Tensor) -> torch.Tensor:
             return t[:fed].clone() if index is None else t[index]

@@ -60,3 +60,11 @@ class StagedInputs:
         end = self._end if last is None else self._offsets[last] + rows * self._row_bytes[last]
         self._block[:end].copy_(self._host[:end], non_blocking=True)
         self._copied.record()
+
+
+def upload(values: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host tensor on `device`, queued without a wait: through pinned memory (a copy from pageable
+    memory would first wait for the stream)."""
+    if device.type != "cuda":
+        return values.to(device)
+    return values.pin_memory().to(device, non_blocking=True)
