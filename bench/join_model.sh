@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Joins the default model on a lent GPU machine, once, from the repo root: $MODEL_DIR (default /root/m)/smol.gguf
+# from the two parts staged there (calls 1 and 2 of bench/run_services_h200x2.sh) and the third, carried as
+# .devcarry/smol.part.ac. Written under another name and then renamed, so a failed join leaves no partial
+# model behind for a later call to take as joined.
+set -uo pipefail
+M=${MODEL_DIR:-/root/m}
+[ -f "$M/smol.gguf" ] && exit 0
+for part in "$M/smol.part.aa" "$M/smol.part.ab" .devcarry/smol.part.ac; do
+    [ -f "$part" ] || { echo "no $part: stage the model (calls 1 and 2 of bench/run_services_h200x2.sh; the" \
+                             "machine may have gone back) and carry .devcarry/smol.part.ac" >&2; exit 3; }
+done
+cat "$M/smol.part.aa" "$M/smol.part.ab" .devcarry/smol.part.ac > "$M/smol.gguf.joining" &&
+    mv "$M/smol.gguf.joining" "$M/smol.gguf"
