@@ -524,9 +524,9 @@ class EagleProposer:
         N, trash = self.max_branches, self.cache.trash_slot
         slots = [[self._free_slots.pop() if i < n else trash for i in range(N)] for n in counts]
         slots += [[trash] * N] * (size - B)
-        self._branch_slots[:size].copy_(upload(torch.tensor(slots), self.device))
+        upload(torch.tensor(slots), self._branch_slots[:size])
         verifying_counts = [len(r.verifying) for r in requests] + [0] * (size - B)
-        self._num_verifying[:size].copy_(upload(torch.tensor(verifying_counts), self.device))
+        upload(torch.tensor(verifying_counts), self._num_verifying[:size])
         mode = "branch_greedy" if all(t == 0 for t in temperature) else "branch_top_k"
         if (size, mode) in self.graphs:
             self.graphs[size, mode].replay()

@@ -62,9 +62,12 @@ class StagedInputs:
         self._copied.record()
 
 
-def upload(values: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A small host tensor on `device`, queued without a wait: through pinned memory (a copy from pageable
-    memory would first wait for the stream)."""
-    if device.type != "cuda":
-        return values.to(device)
-    return values.pin_memory().to(device, non_blocking=True)
+def upload(values: torch.Tensor, to: torch.device | torch.Tensor) -> torch.Tensor:
+    """A small host tensor on the device `to`, or copied into the device tensor `to`, queued without a wait:
+    through pinned memory (a copy from pageable memory would first wait for the stream)."""
+    device = to.device if isinstance(to, torch.Tensor) else to
+    if device.type == "cuda":
+        values = values.pin_memory()
+    if isinstance(to, torch.Tensor):
+        return to.copy_(values, non_blocking=True)
+    return values.to(device, non_blocking=True)
