@@ -2,7 +2,8 @@
 # Where a speculative round's time goes, on a lent GPU machine after bench/run_services_h200x2.sh has joined
 # the model (same lease): one short bench_services.py run (arguments: its flags, e.g. --workloads smollm2
 # --setups two_gpus --smollm2-cache off --batch-sizes 1) under py-spy, every process and thread sampled at
-# 500 Hz without pausing them, and torch.profiler traces of both services' steps (specwire/step_profiler.py).
+# PYSPY_RATE Hz (default 1000) without pausing them, idle time included (a thread waiting for the GIL or the
+# device is sampled where it waits: bench/pyspy_drill.py), and torch.profiler traces of both services' steps (specwire/step_profiler.py).
 # $OUT/profile.tar.gz gets the raw py-spy stacks (pyspy.txt), the traces and op tables, and the run's JSON.
 set -uo pipefail
 OUT=${OUT:-/tmp/specwire-out}
@@ -11,7 +12,7 @@ P=$(mktemp -d /tmp/specwire-profile-XXXX)
 source bench/device_env.sh >/dev/null
 export CUDA_DEVICE_ORDER=PCI_BUS_ID SPECWIRE_PROFILE_DIR=$P/traces
 export SPECWIRE_PROFILE_SKIP=${SPECWIRE_PROFILE_SKIP:-300} SPECWIRE_PROFILE_STEPS=${SPECWIRE_PROFILE_STEPS:-40}
-/tmp/site/bin/py-spy record --subprocesses --nonblocking --threads --rate 500 --format raw \
+/tmp/site/bin/py-spy record --subprocesses --nonblocking --threads --idle --rate "${PYSPY_RATE:-1000}" --format raw \
     --output "$P/pyspy.txt" -- \
     python3 bench/bench_services.py --model "$M/smol.gguf" --drafter-device cuda:0 --verifier-device cuda:1 \
     --out-dir "$P" --tag profile --sweep-ks "" --temperatures 0 --repeats 3 "$@" 2>&1 | tail -12
