@@ -3,7 +3,8 @@
 # the model (same lease): one short bench_services.py run (arguments: its flags, e.g. --workloads smollm2
 # --setups two_gpus --smollm2-cache off --batch-sizes 1) under py-spy, every process and thread sampled at
 # PYSPY_RATE Hz (default 1000) without pausing them, idle time included (a thread waiting for the GIL or the
-# device is sampled where it waits: bench/pyspy_drill.py), and torch.profiler traces of both services' steps (specwire/step_profiler.py).
+# device is sampled where it waits: bench/pyspy_drill.py), and torch.profiler traces of both services' steps
+# (specwire/step_profiler.py).
 # $OUT/profile.tar.gz gets the raw py-spy stacks (pyspy.txt), the traces and op tables, and the run's JSON.
 set -uo pipefail
 OUT=${OUT:-/tmp/specwire-out}
