@@ -24,6 +24,7 @@ from specwire.drafter.draft_sampling import sample_drafts
 from specwire.drafter.eagle_head import EagleHead
 from specwire.kernels.rejection_sampler import DraftProbs
 
+from specwire import round_trace
 from specwire.engine import capture, on_own_device
 from specwire.model import KVCache
 from specwire.staging import StagedInputs, upload
@@ -258,10 +259,12 @@ class EagleProposer:
         sampled = [tk for t, tk, k in zip(temperature, top_k, ks, strict=True) if t > 0 and k > 0]
         mode = "greedy" if not sampled else "top_k" if all(sampled) else "full"
         graph = self.graphs.get((size, f"chain_{mode}" if keep_chain else mode))
+        round_trace.mark("d.loaded")
         if graph is not None:
             graph.replay()
         else:  # eager: no step past the longest chain
             self._draft_loop(size, mode, steps=max(ks), keep_chain=keep_chain)
+        round_trace.mark("d.launched")
         for r in requests:
             last = (r.pending_tokens[-1:], [r.pending_features[-1][-1:]] if r.num_pending else [])
             r.num_cached += r.num_pending
@@ -272,6 +275,7 @@ class EagleProposer:
         if self.min_confidence:
             ks = [min(k, n) for k, n in zip(ks, self._confident[:B].tolist(), strict=True)]
         proposal = self._proposal(ks, temperature, top_k)
+        round_trace.mark("d.drafts")
         if keep_chain:
             ids, first = proposal.token_ids.tolist(), 0
             for r, k in zip(requests, ks, strict=True):

@@ -21,6 +21,7 @@ import grpc
 import torch
 from specwire.drafter.proposer import VERIFYING_CHAIN, EagleProposer, Proposal, ProposerError
 
+from specwire import round_trace
 from specwire.config import ModelConfig
 from specwire.grpc_common import DEFAULT_MAX_MESSAGE_BYTES
 from specwire.metrics import DrafterMetrics
@@ -89,6 +90,7 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
         # The proposer is single-threaded: every stream's steps queue on this one worker.
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="drafter-proposer")
         self._profiler = StepProfiler("drafter")
+        round_trace.start("drafter")
 
     def load(self, proposer: EagleProposer, target: ModelConfig, tokenizer_fingerprint: str, head_name: str
              ) -> None:
@@ -172,9 +174,12 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
                     raise step  # the read failed (an undecodable message, the client gone): as if read here
                 fresh = inbox.empty()  # else a newer step (or the stream's end) is waiting
                 self.metrics.rpc_bytes["received"].inc(step.ByteSize())
+                round_trace.mark("d.taken")
                 result = await loop.run_in_executor(self._worker, self.run_step, stream, owned, step, fresh)
+                round_trace.mark("d.returned")
                 self.metrics.rpc_bytes["sent"].inc(result.ByteSize())
                 await write(result)
+                round_trace.mark("d.written")
         finally:
             reader.cancel()
             await asyncio.gather(reader, return_exceptions=True)
@@ -189,6 +194,7 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
         steps = _StepReader(read, self.draining)
         try:
             while (step := await steps.next()) is not None:
+                round_trace.mark("d.read", len(step.wants))
                 await inbox.put(step)
         except Exception as e:
             await inbox.put(e)
@@ -205,6 +211,7 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
         """Applies `step`'s updates, then drafts for its wants (on the proposer's thread); draft=False answers
         a stale step with its updates applied and no drafts."""
         started = time.perf_counter()
+        round_trace.mark("d.run")
         result = pb.DraftResult(step_id=step.step_id)
         for update in step.updates:
             key = f"{stream}/{update.request_id}"
@@ -216,6 +223,7 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
                 reason = "bad_tensor" if isinstance(e, WireError) else "unknown_request"
                 self.metrics.bad_payloads.labels(reason=reason).inc()
                 log.warning("update dropped", extra={"request_id": update.request_id, "reason": str(e)})
+        round_trace.mark("d.applied")
         wanted = [w for w in step.wants if draft and f"{stream}/{w.request_id}" in self._known]
         wanted = list({w.request_id: w for w in wanted}.values())  # one row per request
         for serve, wants in ((self._propose, [w for w in wanted if not w.num_branches]),
@@ -227,6 +235,7 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
             except ProposerError as e:  # a want the proposer cannot serve: these requests get no drafts
                 result.error = str(e)
         result.compute_seconds = time.perf_counter() - started
+        round_trace.mark("d.answered")
         self._profiler.step()
         self.metrics.draft_step_time.observe(result.compute_seconds)
         self.metrics.num_requests.set(len(self._known))

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from specwire import grpc_common
+from specwire import grpc_common, round_trace
 from specwire.metrics import VerifierMetrics
 from specwire.step_socket import FrameError, MessageSocket
 from specwire.v1 import drafter_pb2 as pb
@@ -223,6 +223,7 @@ class DrafterLink(_StepResults):
         future = asyncio.get_running_loop().create_future()
         self._pending[step.step_id] = _Pending(future, time.perf_counter())
         self._outbox.put_nowait(step)
+        round_trace.mark("v.send", len(step.wants))
         return future
 
     # ------------------------------------------------------------------------------------------ stream
@@ -301,7 +302,9 @@ class DrafterLink(_StepResults):
         while True:
             step = await outbox.get()
             try:
+                round_trace.mark("v.write")
                 await call.write(step)
+                round_trace.mark("v.written")
             except (grpc.RpcError, asyncio.InvalidStateError, OSError, FrameError) as e:
                 self._disconnect(call, f"write failed: {e}")
                 return
@@ -317,6 +320,7 @@ class DrafterLink(_StepResults):
                 raise OSError("Draft stream cancelled") from None  # by _disconnect
             if result is grpc.aio.EOF or result is None:  # None: the step socket's end
                 raise OSError("drafter closed the Draft stream")
+            round_trace.mark("v.answer")
             self.metrics.rpc_bytes["received"].inc(result.ByteSize())
             pending = self._pending.pop(result.step_id, None)
             if pending is None:

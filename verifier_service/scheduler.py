@@ -54,6 +54,7 @@ from specwire.verifier.alignment import (
 from specwire.verifier.drafter_link import DrafterLink, HandshakeRefused
 from specwire.verifier.drafting_mode import DraftingMode
 
+from specwire import round_trace
 from specwire.engine import TargetEngine
 from specwire.forced_acceptance import rates_tensor
 from specwire.metrics import VerifierMetrics
@@ -272,6 +273,7 @@ class Scheduler:
         self._wake = asyncio.Event()
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="verifier-engine")
         self._profiler = StepProfiler("verifier")
+        round_trace.start("verifier")
         self._task: asyncio.Task | None = None
         if link is not None:
             link.handshake = self.handshake_request()
@@ -444,6 +446,7 @@ class Scheduler:
             sent, self._in_flight = self._in_flight, None
             result = await self.link.result(sent[0]) if sent else None
             batch = self._drafts_for(live, result, sent[1] if sent else {})
+            round_trace.mark("v.drafts")
             live = [r for r in live if r.live]  # the wait may have let aborts in
             if not live:
                 return
@@ -456,14 +459,17 @@ class Scheduler:
                                             lambda: loop.call_soon_threadsafe(_resolve, launched))
         # Until the worker has launched the verification, this thread keeps off the GIL it needs for that.
         await asyncio.wait((launched, verification), return_when=asyncio.FIRST_COMPLETED)
+        round_trace.mark("v.loop_free")
         self._finish_rounds()  # the last round's tokens go out while the GPU verifies this one
         if tabling:  # the tables for this verification's outcomes are drafted while it runs
             self._table_sent_at = time.perf_counter()
             sent = self._send_step(live, "tables", checking=batch.num_drafts)
         step = await verification
+        round_trace.mark("v.verified")
         self._verify_seconds = time.perf_counter() - started
         tables = await self._tables(sent) if caching else None
         self._settle_round(live, batch.num_drafts, step, caching, tables, sent[1] if caching and sent else {})
+        round_trace.mark("v.settled")
         if self.speculating and not caching:
             self._in_flight = self._send_step([r for r in live if r.live], "serial")
         elif caching:
@@ -741,6 +747,7 @@ class Scheduler:
         where the forward runs right here, before it, so that the drafter works during it). Until then the
         loop keeps off the GIL, which each of the worker's host-side torch calls takes back."""
         started = time.perf_counter()
+        round_trace.mark("v.verify", len(live))
         queued = self.engine.device.type == "cuda"
         if not queued:
             on_launch()
@@ -759,10 +766,13 @@ class Scheduler:
         # picked on the host once the sampler has said how many there are.
         if self.link is not None:
             self._readback.start(self._feature_table(out.hidden, out.aux_hidden))
+        round_trace.mark("v.forward_queued")
         sampled = self._sample(out.logits, live, batch)
+        round_trace.mark("v.sampler_queued")
         if queued:
             on_launch()
         tokens = sampled.token_lists()  # the first wait for the device
+        round_trace.mark("v.tokens")
         features = dtype = None
         if self.link is not None:  # the rows the target ran on whose next token is now settled
             # Views of the readback buffer: _round copies them into each request's FeatureRows before the
@@ -774,6 +784,7 @@ class Scheduler:
                 first += drafted + 1
         self.metrics.verify_step_time.observe(time.perf_counter() - started)
         self._profiler.step()
+        round_trace.mark("v.verify_end")
         return _Step(tokens, features, dtype)
 
     def _sample(self, logits: torch.Tensor, requests: list[Request], batch: BatchDrafts) -> SampleOutput:

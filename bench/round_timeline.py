@@ -1,0 +1,87 @@
+"""A round's timeline across both services, from the marks of specwire/round_trace.py (run the services, or
+bench_services.py, with SPECWIRE_TRACE_DIR set).
+
+A round runs from one verification's start on the verifier ("v.verify", whose value is the batch size) to the
+next one's. Every mark of every process in that window is placed at its offset from the round's start; per
+batch size, the table lists each event at the median offset of its first mark in a round, the median gap
+from the event listed before it, and the share of rounds that have it.
+
+    python bench/round_timeline.py TRACE_DIR [--skip 50] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import collections
+import json
+import statistics
+from pathlib import Path
+
+
+def read_marks(trace_dir: Path) -> dict[str, list[tuple[int, str, int]]]:
+    """Per file stem (<name>-<pid>): its marks, (ns, event, value), in time order."""
+    marks = {}
+    for path in sorted(trace_dir.glob("*.txt")):
+        rows = [line.split() for line in path.read_text().splitlines() if line.strip()]
+        marks[path.stem] = sorted((int(ns), event, int(value)) for ns, event, value in rows)
+    return marks
+
+
+def rounds(verifier: list[tuple[int, str, int]], others: list[list[tuple[int, str, int]]], skip: int
+           ) -> dict[int, list[dict[str, float]]]:
+    """Per batch size, per round after the first `skip` of the verifier's run: {event: ms from the round's
+    start to its first mark in the round}, and "round" (ms to the next round's start)."""
+    starts = [(ns, value) for ns, event, value in verifier if event == "v.verify"]
+    merged = sorted([*verifier, *(m for marks in others for m in marks)])
+    times = [ns for ns, _, _ in merged]
+    out: dict[int, list[dict[str, float]]] = collections.defaultdict(list)
+    for (start, batch), (end, _) in list(zip(starts[:-1], starts[1:], strict=True))[skip:]:
+        first: dict[str, float] = {}
+        for ns, event, _ in merged[bisect.bisect_left(times, start):bisect.bisect_left(times, end)]:
+            first.setdefault(event, (ns - start) / 1e6)
+        first["round"] = (end - start) / 1e6
+        out[batch].append(first)
+    return out
+
+
+def table(batch_rounds: list[dict[str, float]]) -> list[dict[str, float]]:
+    events = {event for r in batch_rounds for event in r}
+    rows = []
+    for event in events:
+        offsets = [r[event] for r in batch_rounds if event in r]
+        rows.append({"event": event, "median_ms": statistics.median(offsets),
+                     "share": len(offsets) / len(batch_rounds)})
+    rows.sort(key=lambda row: row["median_ms"])
+    for before, row in zip([None, *rows[:-1]], rows, strict=True):
+        row["gap_ms"] = row["median_ms"] - (before["median_ms"] if before else 0.0)
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("trace_dir", type=Path)
+    p.add_argument("--skip", type=int, default=50, help="rounds of each verifier run left out (warm-up)")
+    p.add_argument("--json", type=Path, help="also write the tables here")
+    args = p.parse_args()
+    marks = read_marks(args.trace_dir)
+    report = {}
+    for name, verifier in marks.items():
+        if not any(event == "v.verify" for _, event, _ in verifier):
+            continue
+        window = (verifier[0][0], verifier[-1][0])  # other processes' marks while this verifier ran
+        others = [[m for m in other if window[0] <= m[0] <= window[1]]
+                  for other_name, other in marks.items() if other_name != name]
+        for batch, batch_rounds in sorted(rounds(verifier, others, args.skip).items()):
+            rows = table(batch_rounds)
+            report[f"{name}/batch{batch}"] = {"rounds": len(batch_rounds), "events": rows}
+            print(f"== {name}, batch {batch}: {len(batch_rounds)} rounds")
+            print(f"{'event':>20} {'at ms':>8} {'gap ms':>8} {'share':>6}")
+            for row in rows:
+                print(f"{row['event']:>20} {row['median_ms']:8.3f} {row['gap_ms']:8.3f} {row['share']:6.2f}")
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
