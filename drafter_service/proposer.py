@@ -532,11 +532,13 @@ class EagleProposer:
         verifying_counts = [len(r.verifying) for r in requests] + [0] * (size - B)
         upload(torch.tensor(verifying_counts), self._num_verifying[:size])
         mode = "branch_greedy" if all(t == 0 for t in temperature) else "branch_top_k"
+        round_trace.mark("d.loaded")
         if (size, mode) in self.graphs:
             self.graphs[size, mode].replay()
         else:  # eager: copy only the prefix any branch can see
             longest = max(r.num_cached + r.num_pending + len(r.verifying) for r in requests)
             self._branch_loop(size, mode.removeprefix("branch_"), copy_len=longest, steps=max(ks))
+        round_trace.mark("d.launched")
         for r in requests:
             r.num_cached += r.num_pending
             r.pending_tokens, r.pending_features = [], []
@@ -628,13 +630,14 @@ class EagleProposer:
 
     def _branch_tables(self, requests: list[_Request], slots: list[list[int]], counts: list[int],
                        ks: list[int], temperature: list[float]) -> list[list[Branch]]:
-        """Reads the branch loop's outputs (one copy each) into per-request tables; remembers the branches."""
+        """Reads the branch loop's outputs into per-request tables; remembers the branches."""
         N, rows = self.max_branches, len(requests) * self.max_branches
-        accepted = self._br_accepted[:rows].tolist()
-        bonus = self._br_bonus[:rows].tolist()
-        score = self._br_score[:rows].tolist()
-        tokens = self._br_tokens[:rows].tolist()
-        confident = self._br_confident[:rows].tolist() if self.min_confidence else [self.max_drafts] * rows
+        # Per branch: accepted, bonus, possible (score > 0), confident drafts, then its drafts; every integer
+        # of the table in one copy back, which is the one wait for the device.
+        columns = torch.cat([self._br_accepted[:rows, None], self._br_bonus[:rows, None],
+                             (self._br_score[:rows, None] > 0).long(), self._br_confident[:rows, None],
+                             self._br_tokens[:rows]], 1).tolist()
+        round_trace.mark("d.drafts")
         if any(t > 0 for t in temperature):  # q as each branch ships it, for all rows at once: a few large
             to_target = self.head.draft_to_target  # ops and copies instead of several tiny ones per branch
             top_q = self._br_top_q[:rows]
@@ -647,17 +650,18 @@ class EagleProposer:
             table = []
             for i in range(n):
                 row = b * N + i
-                if score[row] <= 0:  # an outcome the check in flight cannot have: return its slot
+                accepted, bonus, possible, confident, *tokens = columns[row]
+                if not possible:  # an outcome the check in flight cannot have: return its slot
                     self._free_slots.append(slots[b][i])
                     continue
-                ids = tokens[row][:min(k, confident[row])]
-                r.branches.append(_Branch(slots[b][i], accepted[row], bonus[row], ids))
+                ids = tokens[:min(k, confident if self.min_confidence else k)]
+                r.branches.append(_Branch(slots[b][i], accepted, bonus, ids))
                 q_idx = q_val = None
                 if t > 0 and ids:
                     n = len(ids)
                     width = max(1, *support[row][:n])
                     q_val, q_idx = top_q[row, :n, :width], top_idx[row, :n, :width]
-                table.append(Branch(len(r.branches) - 1, accepted[row], bonus[row], ids, q_idx, q_val))
+                table.append(Branch(len(r.branches) - 1, accepted, bonus, ids, q_idx, q_val))
             tables.append(table)
         return tables
 

@@ -452,6 +452,10 @@ class Scheduler:
                 return
         if sent is None:
             self._count_if_down()
+        if tabling:  # the tables for this verification's outcomes: the step needs nothing from it, so it goes
+            # out first and the drafter has the whole verification to draft them
+            self._table_sent_at = time.perf_counter()
+            sent = self._send_step(live, "tables", checking=batch.num_drafts)
         started = time.perf_counter()
         loop = asyncio.get_running_loop()
         launched = loop.create_future()
@@ -461,9 +465,6 @@ class Scheduler:
         await asyncio.wait((launched, verification), return_when=asyncio.FIRST_COMPLETED)
         round_trace.mark("v.loop_free")
         self._finish_rounds()  # the last round's tokens go out while the GPU verifies this one
-        if tabling:  # the tables for this verification's outcomes are drafted while it runs
-            self._table_sent_at = time.perf_counter()
-            sent = self._send_step(live, "tables", checking=batch.num_drafts)
         step = await verification
         round_trace.mark("v.verified")
         self._verify_seconds = time.perf_counter() - started
