@@ -13,7 +13,8 @@
 # The 8B shape, carry [".devcarry/wmin", ".devcarry/old"]:
 #   BEFORE=<sha> AFTER=<sha> bash bench/ab_trees_h200x2.sh --workloads synthetic --lengths 3 --hit-rates 0.8 \
 #       --setups target_only,two_gpus --batch-sizes 1,16 --temperatures 0 --sweep-ks '' --repeats 3
-# DRAFTER_DEVICE / VERIFIER_DEVICE (default cuda:0 / cuda:1) put both services on one GPU.
+# DRAFTER_DEVICE / VERIFIER_DEVICE (default cuda:0 / cuda:1) put both services on one GPU. TRACE=1 records the
+# rounds' marks (specwire/round_trace.py) of each run, and bench/round_timeline.py's tables of them.
 set -uo pipefail
 OUT=${OUT:-/tmp/specwire-out}
 M=${MODEL_DIR:-/root/m}
@@ -30,10 +31,15 @@ for round in $(seq "${ROUNDS:-2}"); do
         tree=.; commit=${AFTER:-?}; [ $side = before ] && tree=.devcarry/old commit=${BEFORE:-?}
         dir="$OUT/${side}_$round"; mkdir -p "$dir"
         (cd "$tree" && source bench/device_env.sh > /dev/null 2>&1 &&
+         if [ -n "${TRACE:-}" ]; then export SPECWIRE_TRACE_DIR="$dir/trace"; fi &&
          timeout "${RUN_TIMEOUT:-200}" python3 bench/bench_services.py "${model[@]}" \
             --drafter-device "${DRAFTER_DEVICE:-cuda:0}" --verifier-device "${VERIFIER_DEVICE:-cuda:1}" \
             --out-dir "$dir" --tag "$side" --commit "$commit-$side" "$@" > "$dir/bench.log" 2>&1)
         echo "== $side, round $round (exit $?)"
         for f in "$dir"/services_*.json; do python3 bench/services_table.py "$f" --temperature 0; done
+        if [ -d "$dir/trace" ]; then  # TRACE=1 (a tree with specwire/round_trace.py): the rounds' timelines
+            python3 bench/round_timeline.py "$dir/trace" --json "$dir/timeline.json" > "$dir/timeline.txt"
+            tar -czf "$dir/trace.tgz" -C "$dir" trace && rm -rf "$dir/trace"
+        fi
     done
 done
