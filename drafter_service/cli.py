@@ -129,7 +129,6 @@ async def serve(args: argparse.Namespace) -> None:
         if sockets is not None:
             sockets.close()
             Path(args.step_socket).unlink(missing_ok=True)
-        service.close()
         metrics.close()
 
 

@@ -15,7 +15,6 @@ import itertools
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import torch
@@ -87,8 +86,6 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
         self.proposer: EagleProposer | None = None
         self._streams = itertools.count()
         self._known: dict[str, int] = {}  # proposer key -> tokens the drafter holds for it
-        # The proposer is single-threaded: every stream's steps queue on this one worker.
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="drafter-proposer")
         self._profiler = StepProfiler("drafter")
         round_trace.start("drafter")
 
@@ -104,9 +101,6 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
             feature_dtype=_FEATURE_DTYPES[proposer.head.dtype],
         )
         self.proposer = proposer
-
-    def close(self) -> None:
-        self._worker.shutdown(wait=True)
 
     # ------------------------------------------------------------------------------------------ RPCs
 
@@ -163,9 +157,11 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
         owned: set[str] = set()
         loop = asyncio.get_running_loop()
         log.info("draft stream opened", extra={"stream": stream, "peer": peer})
-        # Steps are read while the worker drafts. When several wait, the older ones only apply their updates
-        # and answer without drafts: their tables would come after the verifications they were for had
-        # ended, and drafting them would make every later table late too.
+        # Steps are drafted on this thread (the proposer is single-threaded; the GPU does the work, and a
+        # hand-off to a worker thread and back cost about 0.1 ms each of a 1-3 ms round: round_trace), and
+        # what came meanwhile is read whenever this task waits. When several wait, the older ones only apply
+        # their updates and answer without drafts: their tables would come after the verifications they were
+        # for had ended, and drafting them would make every later table late too.
         inbox: asyncio.Queue = asyncio.Queue(maxsize=64)
         reader = loop.create_task(self._read_steps(read, inbox))
         try:
@@ -175,7 +171,7 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
                 fresh = inbox.empty()  # else a newer step (or the stream's end) is waiting
                 self.metrics.rpc_bytes["received"].inc(step.ByteSize())
                 round_trace.mark("d.taken")
-                result = await loop.run_in_executor(self._worker, self.run_step, stream, owned, step, fresh)
+                result = self.run_step(stream, owned, step, fresh)
                 round_trace.mark("d.returned")
                 self.metrics.rpc_bytes["sent"].inc(result.ByteSize())
                 await write(result)
@@ -183,9 +179,7 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
         finally:
             reader.cancel()
             await asyncio.gather(reader, return_exceptions=True)
-            # Shielded: a stream cancelled while the worker is busy (the verifier's connection reset) would
-            # otherwise cancel this queued job too, and the stream's requests would stay held forever.
-            await asyncio.shield(loop.run_in_executor(self._worker, self._free_all, owned))
+            self._free_all(owned)
             log.info("draft stream closed", extra={"stream": stream})
 
     async def _read_steps(self, read: Callable[[], Awaitable[object]], inbox: asyncio.Queue) -> None:

@@ -124,7 +124,6 @@ class Drafter:
 
     def kill(self):
         self.loop.run(self._stop())
-        self.service.close()
 
     async def _stop(self) -> None:
         if self.sockets:  # on the loop's thread: asyncio servers are not thread-safe

@@ -36,6 +36,7 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -231,11 +232,19 @@ class _Readback:
 
 @dataclass
 class _Step:
-    """One verification's results, computed on the worker thread."""
+    """One verification's results."""
 
     tokens: list[list[int]]
     features: list[np.ndarray] | None  # per request, its rows of the feature table (wire.as_numpy)
     feature_dtype: torch.dtype | None = None
+
+
+class _Launch(NamedTuple):
+    """A verification queued on the device, to be collected."""
+
+    started: float  # perf_counter() at its launch
+    num_drafts: list[int]
+    sampled: SampleOutput
 
 
 class Scheduler:
@@ -457,15 +466,7 @@ class Scheduler:
             self._table_sent_at = time.perf_counter()
             sent = self._send_step(live, "tables", checking=batch.num_drafts)
         started = time.perf_counter()
-        loop = asyncio.get_running_loop()
-        launched = loop.create_future()
-        verification = loop.run_in_executor(self._worker, self._verify_on_worker, live, batch,
-                                            lambda: loop.call_soon_threadsafe(_resolve, launched))
-        # Until the worker has launched the verification, this thread keeps off the GIL it needs for that.
-        await asyncio.wait((launched, verification), return_when=asyncio.FIRST_COMPLETED)
-        round_trace.mark("v.loop_free")
-        self._finish_rounds()  # the last round's tokens go out while the GPU verifies this one
-        step = await verification
+        step = await self._verify(live, batch)
         round_trace.mark("v.verified")
         self._verify_seconds = time.perf_counter() - started
         tables = await self._tables(sent) if caching else None
@@ -479,6 +480,25 @@ class Scheduler:
                 self._drafting.record(sum(len(t) for t in step.tokens), time.perf_counter())
                 if self._drafting.mode == "serial":  # the next round's drafts, for what this one settled
                     self._in_flight = self._send_step([r for r in live if r.live], "chains")
+
+    async def _verify(self, live: list[Request], batch: BatchDrafts) -> _Step:
+        """One verification, while the last round's tokens go out. On CUDA this thread launches and collects
+        it itself: the GPU does the work, and a hand-off to the worker thread and back cost about 0.1 ms each
+        of a 1.3-2.8 ms batch-1 round (bench/round_timeline.py). On a CPU the worker runs the forward, which
+        would hold the loop for all of it."""
+        if self.engine.device.type == "cuda":
+            launch = self._launch_verification(live, batch)
+            self._finish_rounds()
+            await asyncio.sleep(0)  # client streams and the drafter's answers are served while the GPU works
+            return self._collect_verification(launch)
+        loop = asyncio.get_running_loop()
+        launched = loop.create_future()
+        verification = loop.run_in_executor(self._worker, self._verify_on_worker, live, batch,
+                                            lambda: loop.call_soon_threadsafe(_resolve, launched))
+        # Until the worker has started the verification, this thread keeps off the GIL it needs for that.
+        await asyncio.wait((launched, verification), return_when=asyncio.FIRST_COMPLETED)
+        self._finish_rounds()  # the last round's tokens go out while the verification runs
+        return await verification
 
     def _settle_round(self, live: list[Request], num_drafts: list[int], step: _Step, caching: bool = False,
                       tables: dict[str, Table] | None = None, wanted: dict | None = None) -> None:
@@ -742,16 +762,24 @@ class Scheduler:
             first += len(r.prompt)
         return _Step(tokens, features, table.dtype)
 
-    @torch.inference_mode()
     def _verify_on_worker(self, live: list[Request], batch: BatchDrafts, on_launch=lambda: None) -> _Step:
-        """on_launch: called once the target's forward and the sampler are queued on the device (on a CPU,
-        where the forward runs right here, before it, so that the drafter works during it). Until then the
-        loop keeps off the GIL, which each of the worker's host-side torch calls takes back."""
-        started = time.perf_counter()
-        round_trace.mark("v.verify", len(live))
+        """A verification on the worker thread. on_launch: called once the target's forward and the sampler
+        are queued on the device (on a CPU, where the forward runs right here, before it, so that the drafter
+        works during it). Until then the loop keeps off the GIL, which each of the worker's host-side torch
+        calls takes back."""
         queued = self.engine.device.type == "cuda"
         if not queued:
             on_launch()
+        launch = self._launch_verification(live, batch)
+        if queued:
+            on_launch()
+        return self._collect_verification(launch)
+
+    @torch.inference_mode()
+    def _launch_verification(self, live: list[Request], batch: BatchDrafts) -> _Launch:
+        """Queues the target's forward over each request's last token and drafts, and the sampler after it."""
+        started = time.perf_counter()
+        round_trace.mark("v.verify", len(live))
         slots = [r.slot for r in live]
         starts = [len(r.tokens) - 1 for r in live]
         if any(batch.num_drafts):
@@ -770,9 +798,12 @@ class Scheduler:
         round_trace.mark("v.forward_queued")
         sampled = self._sample(out.logits, live, batch)
         round_trace.mark("v.sampler_queued")
-        if queued:
-            on_launch()
-        tokens = sampled.token_lists()  # the first wait for the device
+        return _Launch(started, batch.num_drafts, sampled)
+
+    @torch.inference_mode()
+    def _collect_verification(self, launch: _Launch) -> _Step:
+        """Waits for a launched verification's tokens and the features of the rows they settle."""
+        tokens = launch.sampled.token_lists()  # the first wait for the device
         round_trace.mark("v.tokens")
         features = dtype = None
         if self.link is not None:  # the rows the target ran on whose next token is now settled
@@ -780,10 +811,10 @@ class Scheduler:
             # next verification reuses it.
             table = self._readback.wait()
             rows, features, first, dtype = as_numpy(table), [], 0, table.dtype
-            for drafted, settled in zip(batch.num_drafts, tokens, strict=True):
+            for drafted, settled in zip(launch.num_drafts, tokens, strict=True):
                 features.append(rows[first:first + len(settled)])
                 first += drafted + 1
-        self.metrics.verify_step_time.observe(time.perf_counter() - started)
+        self.metrics.verify_step_time.observe(time.perf_counter() - launch.started)
         self._profiler.step()
         round_trace.mark("v.verify_end")
         return _Step(tokens, features, dtype)
