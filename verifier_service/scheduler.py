@@ -465,6 +465,7 @@ class Scheduler:
             # out first and the drafter has the whole verification to draft them
             self._table_sent_at = time.perf_counter()
             sent = self._send_step(live, "tables", checking=batch.num_drafts)
+            await asyncio.sleep(0)  # the link's writer puts it on the wire before this thread launches
         started = time.perf_counter()
         step = await self._verify(live, batch)
         round_trace.mark("v.verified")
