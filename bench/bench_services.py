@@ -93,9 +93,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="forced mean acceptance lengths of the synthetic workload, first = first measured")
     p.add_argument("--verifier-args", default="",
                    help="more flags for the smollm2 workload's speculative verifiers ('--cache-branches 0')")
-    p.add_argument("--synthetic-verifier-args", default="--aux-layers none",
-                   help="more flags for the synthetic workload's speculative verifiers (default: no EAGLE-3 "
-                        "taps, which its random EAGLE-1 head does not read)")
+    p.add_argument("--synthetic-verifier-args", default="",
+                   help="more flags for the synthetic workload's speculative verifiers")
     p.add_argument("--hit-rates", type=csv(hit_rate), default=[0.8, "off"],
                    help="the synthetic workload's speculation cache, first = first measured: R = "
                         "--forced-hit-rate R (a random head never guesses the bonus token itself), 'off' = "

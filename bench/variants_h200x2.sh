@@ -29,7 +29,6 @@ source bench/device_env.sh > /dev/null 2>&1
 export CUDA_DEVICE_ORDER=PCI_BUS_ID
 for v in "$@"; do
     name=${v%%|*}; extra=${v#*|}
-    [ "$workload" = synthetic ] && extra="--aux-layers none $extra"  # the synthetic default, kept
     mkdir -p "$OUT/$name"
     timeout 170 python3 bench/bench_services.py "${args[@]}" "$flag" "$extra" --out-dir "$OUT/$name" \
         --tag "$name" > "$OUT/$name/bench.log" 2>&1

@@ -372,6 +372,10 @@ def load_eagle_head(
     return head
 
 
+# draft_vocab_size of yuhuili/EAGLE3-LLaMA3.1-Instruct-8B's config.json
+RANDOM_DRAFT_VOCAB = 32_000
+
+
 def random_eagle_head(
     target_config: ModelConfig,
     target_weights: dict[str, torch.Tensor],
@@ -380,9 +384,11 @@ def random_eagle_head(
     max_positions: int,
     seed: int = 0,
 ) -> EagleHead:
-    """An EAGLE-1 head of the target's layer shape with random weights, for synthetic targets: its drafts
-    cost what a trained head's do (one decoder layer + the full lm_head a step), their ids are noise."""
-    config = EagleHeadConfig.for_target(target_config, "eagle1", draft_vocab_size=0)
+    """An EAGLE-3 head of the target's layer shape with random weights, for synthetic targets: its drafts cost
+    what a trained head's do (the fc over three taps, one decoder layer, an lm_head over the draft
+    vocabulary a step), their ids are noise. The draft vocabulary is that of the published EAGLE-3 head for
+    Llama-3.1-8B-Instruct (its first RANDOM_DRAFT_VOCAB target ids)."""
+    config = EagleHeadConfig.for_target(target_config, "eagle3", draft_vocab_size=RANDOM_DRAFT_VOCAB)
     head = EagleHead(config, target_weights, dtype, device, max_positions)
     head.init_weights(seed)
     return head.requires_grad_(False)

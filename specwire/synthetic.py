@@ -26,7 +26,7 @@ from specwire.tokenizer import Tokenizer
 from specwire.weights import checkpoint_shapes
 
 PREFIX = "synthetic:"
-RANDOM_HEAD = "random"  # --head random: an EAGLE-1 head of the target's shape with random weights
+RANDOM_HEAD = "random"  # --head random: an EAGLE-3 head of the target's shape with random weights
 SEED = 0
 WEIGHT_STD = 0.02
 

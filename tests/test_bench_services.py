@@ -55,7 +55,7 @@ def test_the_harness_runs_the_setups_side_by_side_on_the_cpu(tmp_path):
     argv = [sys.executable, str(BENCH / "bench_services.py"), "--workloads", "synthetic", "--synthetic-shape",
             "tiny", "--lengths", "2", "--hit-rates", "1.0", "--setups",
             "target_only,two_gpus,two_gpus_socket,colocated",
-            "--synthetic-verifier-args", "--aux-layers none --draft-timeout 30 --table-wait-ms 30000",
+            "--synthetic-verifier-args", "--draft-timeout 30 --table-wait-ms 30000",
             "--batch-sizes", "2",
             "--temperatures", "0", "--sweep-ks", "", "--max-tokens", "12", "--repeats", "1",
             "--drafter-device", "cpu", "--verifier-device", "cpu", "--out-dir", str(tmp_path), "--tag", "t"]
