@@ -247,8 +247,9 @@ class EagleProposer:
             return self._empty_proposal()
         for r in requests:
             self._take_branch(r, None)
-
+        round_trace.mark("d.branches_taken")
         self._prefill_overflow(requests)
+        round_trace.mark("d.prefilled")
         # Drafts write positions num_cached + pending .. + k - 2: clip k at the end of the context.
         ks = [
             min(k, self.max_context - r.num_cached - r.num_pending + 1)
@@ -319,6 +320,7 @@ class EagleProposer:
         padding (trash slot, nothing pending, greedy), then send them over in one copy."""
         B = len(requests)
         self._inputs.wait_free()
+        round_trace.mark("d.inputs_free")
         meta, temps, ids, features = self._inputs.host.values()
         meta[:, :B] = [[r.slot for r in requests], [r.num_cached for r in requests],
                        [r.num_pending for r in requests], ks, top_k]
