@@ -131,15 +131,16 @@ class Drafter:
         await self.server.drain(0)
 
 
-def colocated(checkpoint, tokenizer, metrics: VerifierMetrics) -> LocalDrafterLink:
-    """The world's drafter (the bigram head), but in the verifier's process behind the in-process link."""
+def colocated(checkpoint, tokenizer, metrics: VerifierMetrics, inline: bool = False) -> LocalDrafterLink:
+    """The world's drafter (the bigram head), but in the verifier's process behind the in-process link
+    (inline: serial steps on the loop, as on a GPU)."""
     config, sd = checkpoint
     proposer = EagleProposer(bigram_head(config, sd), max_requests=48, max_context=MAX_CONTEXT, max_drafts=K,
                              max_top_k=16, max_branches=BRANCHES)
     service = DrafterService(DrafterMetrics())
     service.load(proposer, config, tokenizer.fingerprint, "eagle1:bigram")
     return LocalDrafterLink(functools.partial(service.run_step, 0, set()), service.info, service.mismatch,
-                            metrics, step_timeout=5.0)
+                            metrics, step_timeout=5.0, inline=inline)
 
 
 class Verifier:
@@ -160,7 +161,8 @@ class Verifier:
                                       drafting_epoch=drafting_epoch),
             model_name="tiny",
         )
-        link = colocated(checkpoint, tokenizer, self.metrics) if drafter_port == "colocated" else None
+        link = (colocated(checkpoint, tokenizer, self.metrics, inline=drafter_port == "colocated-inline")
+                if str(drafter_port).startswith("colocated") else None)
         self.port = loop.run(self._start(settings, tokenizer, link))
         self.channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
         self.stub = generation_pb2_grpc.GenerationStub(self.channel)
@@ -531,15 +533,27 @@ def test_handshake_refuses_a_drafter_for_another_tokenizer(world):
         drafter.kill()
 
 
-def test_colocated_drafter_gives_the_two_process_output(world):
+@pytest.mark.parametrize("link", ["colocated", "colocated-inline"])
+def test_colocated_drafter_gives_the_two_process_output(world, link):
+    """Tables on the drafter's worker, serial and just-in-time steps on it too or (inline) on the loop."""
     batch = prompts(8, seed=31)
     two_process = [r[0] for r in generate_all(world.verifier, batch, max_tokens=20)]
-    v = Verifier(world.loop, world.checkpoint, world.tokenizer, "colocated")
+    v = Verifier(world.loop, world.checkpoint, world.tokenizer, link)
     try:
         assert v.info().speculation.drafter_connected
         assert [r[0] for r in generate_all(v, batch, max_tokens=20)] == two_process
         assert two_process == greedy_reference(world.checkpoint, batch, 20)
         assert v.counter(v.metrics.cache["hit"]) > 0 and v.counter(v.metrics.num_draft_tokens) > 0
+    finally:
+        v.close()
+
+
+def test_colocated_serial_drafting_on_the_loop_equals_target_only(world):
+    """Serial drafting (no tables) with every step run on the loop: target-only output, drafts used."""
+    v = Verifier(world.loop, world.checkpoint, world.tokenizer, "colocated-inline", cache_branches=0)
+    try:
+        greedy_equals_target_only(world, v, 8, seed=37)
+        assert v.counter(v.metrics.num_draft_tokens) > 0 and v.counter(v.metrics.cache["hit"]) == 0
     finally:
         v.close()
 

@@ -89,15 +89,21 @@ class _StepResults:
 
 class LocalDrafterLink(_StepResults):
     """The co-located drafter: the same link for a drafter in this process (one GPU, or a CPU, serves both).
-    Steps are the same DraftStep messages, answered by `run_step` on the drafter's own worker thread in
-    order, without gRPC or serialisation; a failed step resolves to None like a broken stream."""
+    Steps are the same DraftStep messages, answered by `run_step` in order, without gRPC or serialisation;
+    a failed step resolves to None like a broken stream.
+
+    Steps run on the drafter's own worker thread, except, with `inline`, a step without tables sent while
+    the worker is idle: the loop runs it at once. Those are serial drafts, which the loop waits for next
+    anyway; a hand-off to the worker and back cost about 0.1 ms each (bench/round_timeline.py). Tables stay
+    on the worker, drafted while the loop launches and collects the verification they are for."""
 
     def __init__(self, run_step: Callable[[pb.DraftStep], pb.DraftResult], info: pb.DrafterInfo,
                  mismatch: Callable[[pb.HandshakeRequest], str], metrics: VerifierMetrics,
-                 step_timeout: float = 0.5, max_in_flight: int = 4):
-        """run_step: the drafter's step function (it runs on a thread of its own); mismatch: the drafter's
-        handshake check (a one-line reason, or empty)."""
-        self._run_step, self._info, self._mismatch = run_step, info, mismatch
+                 step_timeout: float = 0.5, max_in_flight: int = 4, inline: bool = False):
+        """run_step: the drafter's step function; mismatch: the drafter's handshake check (a one-line
+        reason, or empty); inline: serial steps may run on the loop (for a GPU drafter, whose step is
+        mostly launches and one wait)."""
+        self._run_step, self._info, self._mismatch, self._inline = run_step, info, mismatch, inline
         self.metrics, self.step_timeout, self.max_in_flight = metrics, step_timeout, max_in_flight
         self.target = "in-process"
         self.handshake = pb.HandshakeRequest()
@@ -138,21 +144,33 @@ class LocalDrafterLink(_StepResults):
             return None
         step.step_id = self._next_step
         self._next_step += 1
+        loop = asyncio.get_running_loop()
+        future, sent_at = loop.create_future(), time.perf_counter()
+        if self._inline and self._in_flight == 0 and not any(w.num_branches for w in step.wants):
+            try:  # the worker is idle, so the drafter's state is this thread's alone
+                result, error = self._run_step(step), None
+            except Exception as e:  # a failed step is a broken stream, as on the worker
+                result, error = None, e
+            self._answer(future, sent_at, result, error)
+            return future
         self._in_flight += 1
-        future = asyncio.get_running_loop().create_future()
-        done = asyncio.get_running_loop().run_in_executor(self._worker, self._run_step, step)
-        sent_at = time.perf_counter()
-        done.add_done_callback(lambda task: self._answer(task, future, sent_at))
+        done = loop.run_in_executor(self._worker, self._run_step, step)
+        done.add_done_callback(lambda task: self._answer_from_worker(task, future, sent_at))
         return future
 
-    def _answer(self, task: asyncio.Future, future: asyncio.Future, sent_at: float) -> None:
+    def _answer_from_worker(self, task: asyncio.Future, future: asyncio.Future, sent_at: float) -> None:
         self._in_flight -= 1
+        error = task.exception()
+        self._answer(future, sent_at, None if error is not None else task.result(), error)
+
+    def _answer(self, future: asyncio.Future, sent_at: float, result: pb.DraftResult | None,
+                error: BaseException | None) -> None:
         self._answered(sent_at)
-        if task.exception() is not None:
-            log.error("co-located drafter step failed", extra={"error": repr(task.exception())})
+        if error is not None:
+            log.error("co-located drafter step failed", extra={"error": repr(error)})
             self.metrics.bad_payloads.labels(reason="link_error").inc()
         if not future.done():
-            future.set_result(None if task.exception() is not None else task.result())
+            future.set_result(result)
 
 
 class DrafterLink(_StepResults):
