@@ -495,8 +495,8 @@ class Scheduler:
                 self._verified.record()
             self._finish_rounds()
             # Client streams and the drafter's answers are served while the GPU works: the loop polls the
-            # device rather than block on it, as the co-located drafter's serial steps leave it no other
-            # idle time (a blocking wait held streamed tokens back by a round, 140 ms at the p99 of batch 16).
+            # device rather than block on it, as the co-located drafter's serial steps leave it no other idle
+            # time (blocking, co-located SmolLM2 at batch 16 measured ITL p99 134 ms; polling, 58 ms).
             await asyncio.sleep(0)
             while not self._verified.query():
                 await asyncio.sleep(0)
