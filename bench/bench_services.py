@@ -48,6 +48,7 @@ from gpu_busy import GpuBusy  # bench/ modules: scripts run as `python bench/<na
 from services_client import Client, read_prompts, summarize
 from services_metrics import Delta, cache_hit_rate, round_split, scrape, wire_bytes_per_step
 from services_setups import (
+    COLOCATED,
     SETUPS,
     TWO_PROCESSES,
     Devices,
@@ -170,7 +171,7 @@ def jobs(args: argparse.Namespace, ws: list[Workload]) -> list[Job]:
     (over gRPC, then over the step socket) at the first length and cache setting, the other lengths, the
     other cache settings, co-located (each cache setting), transformers, the k sweep (gRPC)."""
     out = []
-    twos, co = [s for s in TWO_PROCESSES if s in args.setups], "colocated" in args.setups
+    twos, cos = [s for s in TWO_PROCESSES if s in args.setups], [s for s in COLOCATED if s in args.setups]
     two = "two_gpus" in args.setups
     for phase in range(7):
         for w in ws:
@@ -185,10 +186,10 @@ def jobs(args: argparse.Namespace, ws: list[Workload]) -> list[Job]:
             if phase == 3:
                 out += [(w, s, k, length, h, args.batch_sizes)
                         for s in twos for h in w.hit_rates[1:] for k in args.ks]
-            if phase == 4 and co:  # every cache setting: without gRPC, serial drafting pays the hop least
+            if phase == 4 and cos:  # every cache setting: without gRPC, serial drafting pays the hop least
                 lengths = [x for x in w.lengths if x in args.colocated_lengths] or [length]
-                out += [(w, "colocated", k, x, h, args.batch_sizes)
-                        for h in w.hit_rates for k in args.ks for x in lengths]
+                out += [(w, s, k, x, h, args.batch_sizes)
+                        for s in cos for h in w.hit_rates for k in args.ks for x in lengths]
             if phase == 5 and "transformers" in args.setups:
                 out.append((w, "transformers", 0, None, None, args.hf_batch_sizes))
             if phase == 6 and two:

@@ -4,6 +4,8 @@
 - two_gpus_socket: the same two processes, the per-round Draft stream over the drafter's step socket (the
                 handshake over gRPC);
 - colocated:    one verifier process that runs the drafter inside it (`--colocated`), on one device;
+- colocated_two_gpus: the same process, its drafter on the drafter's device (`--drafter-device`): two GPUs and
+                no second process;
 - target_only:  a verifier with --k 0 (our engine, no drafter);
 - transformers: bench/hf_generate.py in its own process on the verifier's device (see there).
 
@@ -22,8 +24,9 @@ from pathlib import Path
 
 from specwire.commands.demo import Service, free_port, start, stop, wait_drafter_connected, wait_serving
 
-SETUPS = ("two_gpus", "two_gpus_socket", "colocated", "target_only", "transformers")
+SETUPS = ("two_gpus", "two_gpus_socket", "colocated", "colocated_two_gpus", "target_only", "transformers")
 TWO_PROCESSES = ("two_gpus", "two_gpus_socket")  # the setups with a drafter process of their own
+COLOCATED = ("colocated", "colocated_two_gpus")  # the setups with the drafter in the verifier's process
 # a forced speculation-cache hit rate, "off" (no cache), "adaptive" (tables or serial, measured) or None
 HitRate = float | str | None
 ADAPTIVE_EPOCH = 16  # rounds per drafting-mode epoch: a bench point runs a few hundred rounds
@@ -58,7 +61,8 @@ class Devices:
 
     def gpu_indices(self, setup: str) -> list[int]:
         """NVML indices of the GPUs a setup uses (for the busy-share sampler)."""
-        devices = [self.drafter, self.verifier] if setup in TWO_PROCESSES else [self.verifier]
+        two = setup in TWO_PROCESSES or setup == "colocated_two_gpus"
+        devices = [self.drafter, self.verifier] if two else [self.verifier]
         cuda = [d for d in devices if d and d.startswith("cuda")]
         return sorted({int(d.split(":")[1]) if ":" in d else 0 for d in cuda})
 
@@ -111,9 +115,10 @@ class Fleet:
             argv += ["--drafter", f"127.0.0.1:{self.drafter(w).port}"]
             if setup == "two_gpus_socket":
                 argv += ["--drafter-socket", self.step_socket(w)]
-        elif setup == "colocated":
+        elif setup in COLOCATED:
+            drafter = self.devices.drafter if setup == "colocated_two_gpus" else self.devices.verifier
             argv += ["--colocated", *(["--head", w.head] if w.head else []),
-                     *(["--drafter-device", self.devices.verifier] if self.devices.verifier else [])]
+                     *(["--drafter-device", drafter] if drafter else [])]
         if setup != "target_only":
             argv += [*(["--forced-acceptance-length", str(length)] if length is not None else []),
                      *(["--cache-branches", "0"] if hit == "off" else []),

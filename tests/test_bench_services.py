@@ -48,13 +48,13 @@ def test_round_split_cache_and_bytes_from_two_scrapes():
 
 
 def test_the_harness_runs_the_setups_side_by_side_on_the_cpu(tmp_path):
-    """Target-only, two processes (over gRPC and over the step socket) and the co-located setup (measured, or
-    skipped with the reason when the verifier does not know --colocated) on synthetic:tiny; one JSON with
-    the schema the README reads. The verifiers wait for every table (a busy CI machine would otherwise see
+    """Target-only, two processes (over gRPC and over the step socket) and the co-located setups (the drafter
+    on the verifier's device or on the drafter's: here both the CPU) on synthetic:tiny; one JSON with the
+    schema the README reads. The verifiers wait for every table (a busy CI machine would otherwise see
     them all late, and no drafts)."""
     argv = [sys.executable, str(BENCH / "bench_services.py"), "--workloads", "synthetic", "--synthetic-shape",
             "tiny", "--lengths", "2", "--hit-rates", "1.0", "--setups",
-            "target_only,two_gpus,two_gpus_socket,colocated",
+            "target_only,two_gpus,two_gpus_socket,colocated,colocated_two_gpus",
             "--synthetic-verifier-args", "--draft-timeout 30 --table-wait-ms 30000",
             "--batch-sizes", "2",
             "--temperatures", "0", "--sweep-ks", "", "--max-tokens", "12", "--repeats", "1",
@@ -73,7 +73,9 @@ def test_the_harness_runs_the_setups_side_by_side_on_the_cpu(tmp_path):
     assert 0 < spec["tokens_per_verification"] <= spec["k"] + 1  # a verification gains at most k + 1 tokens
     assert spec["round_ms"]["verify"] > 0 and spec["round_ms"]["draft"] > 0
     assert spec["wire_bytes_per_step"]["sent"] > 0 and spec["ttft_ms"]["p50"] > 0
-    assert "colocated" in rows or [s["setup"] for s in report["skipped"]] == ["colocated"]
+    assert report["skipped"] == []
+    for setup in ("colocated", "colocated_two_gpus"):  # the drafter in the verifier's process, serving tables
+        assert rows[setup]["tokens"] == 24 and rows[setup]["cache"]["hit"] > 0
 
 
 @pytest.mark.parametrize("mode", [[], ["--bare-grpc"], ["--step-socket"]])
