@@ -3,10 +3,10 @@ real gRPC on 127.0.0.1, each on its own uvloop event-loop thread (as in the serv
 carry no updates and no wants, so the drafter's step does nothing.
 
 The drafter's step records when it starts and ends (same process, same clock), which splits each round trip
-into the way out (send -> the drafter's worker starts the step: the verifier's writer task, gRPC, the
-drafter's reader task, its queue, the hand-off to the worker thread), the step itself, and the way back (the
-step's end -> the verifier's future resolves: the hand-back to the drafter's loop, gRPC, the verifier's
-reader task). Both loops share this process's GIL here.
+into the way out (send -> the drafter starts the step: the verifier's writer task, gRPC, the drafter's reader
+task, its queue), the step itself (on the drafter's loop since session 13), and the way back (the step's end
+-> the verifier's future resolves: gRPC, the verifier's reader task). Both loops share this process's GIL
+here.
 
 --drafter-process: `specwire drafter` (the default model and head, on the CPU) in a process of its own, as
   deployed; only the round trip is measured then (its clock is not ours to read).
@@ -14,12 +14,10 @@ reader task). Both loops share this process's GIL here.
   calls.
 --bare-grpc: no specwire code at all, the floor under it: a bidirectional stream of --bare-bytes byte strings
   that the server echoes, with grpc.aio on the same two loop threads.
---inline-step: the drafter runs its step on its event-loop thread instead of handing it to its worker thread
-  (an experiment: what those two thread hand-offs cost).
 --step-socket: the Draft stream over the drafter's step socket (specwire.step_socket) instead of gRPC.
 Run it on the machine where the services run: the figures move with its CPU.
 
-    python bench/bench_link_round_trip.py --steps 2000 [--drafter-process | --inline-step] [--busy-thread] \
+    python bench/bench_link_round_trip.py --steps 2000 [--drafter-process] [--busy-thread] \
         [--step-socket] [--out FILE]
 """
 
@@ -34,7 +32,6 @@ import sys
 import tempfile
 import threading
 import time
-from concurrent.futures import Executor, Future
 
 import grpc
 import uvloop
@@ -55,28 +52,10 @@ from specwire.weights import load_checkpoint  # noqa: E402
 from specwire.wire import PROTOCOL_VERSION  # noqa: E402
 
 
-class InlineExecutor(Executor):
-    """Runs each job at once on the submitting thread."""
-
-    def submit(self, fn, /, *args, **kwargs) -> Future:
-        future: Future = Future()
-        try:
-            future.set_result(fn(*args, **kwargs))
-        except BaseException as e:  # noqa: BLE001 - handed to the awaiting coroutine, as a pool would
-            future.set_exception(e)
-        return future
-
-
 class TimedDrafterService(DrafterService):
     """The drafter's servicer, its step timed (the stamps are read after each round trip)."""
 
     stamps: list[tuple[float, float]] = []
-    inline = False
-
-    def load(self, *args, **kwargs) -> None:
-        super().load(*args, **kwargs)
-        if self.inline:
-            self._worker = InlineExecutor()
 
     def run_step(self, *args, **kwargs) -> pb.DraftResult:
         started = time.perf_counter()
@@ -156,7 +135,6 @@ def summary(values: list[float]) -> dict:
 def through_specwire(args: argparse.Namespace) -> list[tuple[float, ...]]:
     """Round trips of empty DraftSteps from a DrafterLink to a DrafterService (see the module's text)."""
     tokenizer = load_tokenizer(default_model_path())
-    TimedDrafterService.inline = args.inline_step
     scratch = pathlib.Path(tempfile.mkdtemp(prefix="specwire-link-"))
     socket_path = str(scratch / "drafter.sock") if args.step_socket else None
     if args.drafter_process:
@@ -203,8 +181,6 @@ def main() -> int:
     p.add_argument("--busy-thread", action="store_true", help="a GIL-holding thread runs beside the link")
     p.add_argument("--bare-grpc", action="store_true", help="an echo stream in plain grpc.aio, no specwire")
     p.add_argument("--bare-bytes", type=int, default=10_000, help="--bare-grpc message bytes (default 10 kB)")
-    p.add_argument("--inline-step", action="store_true",
-                   help="the in-process drafter runs its step on its event-loop thread (an experiment)")
     p.add_argument("--step-socket", action="store_true",
                    help="the Draft stream over the drafter's Unix step socket instead of gRPC")
     p.add_argument("--drafter-process", action="store_true",
@@ -213,8 +189,6 @@ def main() -> int:
                    help="sys.setswitchinterval, as the services set it (default %(default)s s)")
     p.add_argument("--out", default=None, help="write the JSON result here")
     args = p.parse_args()
-    if args.inline_step and args.drafter_process:
-        p.error("--inline-step needs the drafter in this process")
     sys.setswitchinterval(args.switch_interval)
     asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
     rows = bare_grpc(args.steps, args.warmup, args.bare_bytes) if args.bare_grpc else through_specwire(args)
@@ -223,7 +197,7 @@ def main() -> int:
     result = {
         "bench": "link_round_trip", "command": " ".join(sys.argv), "steps": args.steps,
         "bare_grpc": args.bare_grpc, "bare_bytes": args.bare_bytes if args.bare_grpc else None,
-        "drafter_process": args.drafter_process, "inline_step": args.inline_step,
+        "drafter_process": args.drafter_process,
         "step_socket": args.step_socket,
         "busy_thread": args.busy_thread, "switch_interval_s": args.switch_interval,
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
