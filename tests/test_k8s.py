@@ -12,13 +12,14 @@ from pathlib import Path
 import pytest
 from tools import require_tool
 
+from specwire.cli import build_parser
 from specwire.metrics import DrafterMetrics, VerifierMetrics
 
 yaml = pytest.importorskip("yaml", reason="PyYAML is needed to parse the manifests")
 
 ROOT = Path(__file__).resolve().parents[1]
 K8S = ROOT / "k8s"
-OVERLAYS = ("k8s", "k8s/overlays/colocated", "k8s/overlays/dev-no-tls")
+OVERLAYS = ("k8s", "k8s/overlays/colocated", "k8s/overlays/in-process", "k8s/overlays/dev-no-tls")
 # kind -> the Prometheus Operator CRD's schema as JSON schema (tests/schemas/README.md says where from)
 CRD_SCHEMAS = {
     "ServiceMonitor": "servicemonitor_v1.json",
@@ -97,7 +98,8 @@ def test_services_get_a_gpu_probes_and_a_drain_that_fits(built, overlay):
     docs = built[overlay]
     config = _of(docs, "ConfigMap")["specwire-config"]["data"]
     containers = _containers(docs)
-    assert set(containers) == {"drafter", "verifier"}
+    in_process = overlay == "k8s/overlays/in-process"
+    assert set(containers) == ({"verifier"} if in_process else {"drafter", "verifier"})
     for name, (c, pod) in containers.items():
         assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
         ports = {p["name"]: p["containerPort"] for p in c["ports"]}
@@ -121,14 +123,28 @@ def test_services_get_a_gpu_probes_and_a_drain_that_fits(built, overlay):
         # TLS everywhere but the dev overlay and the co-located drafter (it listens on the pod's loopback).
         plaintext = overlay.endswith("dev-no-tls") or (overlay.endswith("colocated") and name == "drafter")
         assert bool(tls_paths) != plaintext
-    # The verifier finds its drafter through the Service, or on the pod's loopback when co-located.
+    # The verifier finds its drafter through the Service, on the pod's loopback when co-located, or runs it.
     verifier_args = containers["verifier"][0]["args"]
+    if in_process:
+        assert "--colocated" in verifier_args and "--drafter" not in verifier_args
+        assert "specwire-drafter" not in _of(docs, "Service")
+        return
     drafter = verifier_args[verifier_args.index("--drafter") + 1]
     colocated = overlay == "k8s/overlays/colocated"
     assert drafter == ("127.0.0.1:50052" if colocated else "specwire-drafter:50052")
     if not colocated:
         service = _of(docs, "Service")["specwire-drafter"]
         assert {p["port"] for p in service["spec"]["ports"]} >= {50052}
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_container_args_parse_with_the_services_own_parser(built, overlay):
+    """What a container runs, its $(VARS) filled in from the ConfigMap, is accepted by `specwire`'s parser."""
+    config = _of(built[overlay], "ConfigMap")["specwire-config"]["data"]
+    for c, _ in _containers(built[overlay]).values():
+        argv = [re.sub(r"\$\((\w+)\)", lambda m: config[m.group(1)], a) for a in c["args"]]
+        args = build_parser(argv[0]).parse_args(argv)
+        assert args.command == c["name"]
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -162,7 +178,7 @@ def test_the_colocated_pod_shares_the_drafters_step_socket(built):
     assert mounted[0] == mounted[1] and len(mounted[0]) == 1
     assert volumes[mounted[0].pop()]["emptyDir"]["medium"] == "Memory"
     # Elsewhere the drafter is another pod: no socket to share.
-    for overlay in ("k8s", "k8s/overlays/dev-no-tls"):
+    for overlay in ("k8s", "k8s/overlays/in-process", "k8s/overlays/dev-no-tls"):
         assert "--drafter-socket" not in _containers(built[overlay])["verifier"][0]["args"]
 
 
