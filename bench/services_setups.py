@@ -27,6 +27,7 @@ from specwire.commands.demo import Service, free_port, start, stop, wait_drafter
 SETUPS = ("two_gpus", "two_gpus_socket", "colocated", "colocated_two_gpus", "target_only", "transformers")
 TWO_PROCESSES = ("two_gpus", "two_gpus_socket")  # the setups with a drafter process of their own
 COLOCATED = ("colocated", "colocated_two_gpus")  # the setups with the drafter in the verifier's process
+TWO_GPUS = (*TWO_PROCESSES, "colocated_two_gpus")  # the setups whose drafter runs on the drafter's device
 # a forced speculation-cache hit rate, "off" (no cache), "adaptive" (tables or serial, measured) or None
 HitRate = float | str | None
 ADAPTIVE_EPOCH = 16  # rounds per drafting-mode epoch: a bench point runs a few hundred rounds
@@ -61,8 +62,7 @@ class Devices:
 
     def gpu_indices(self, setup: str) -> list[int]:
         """NVML indices of the GPUs a setup uses (for the busy-share sampler)."""
-        two = setup in TWO_PROCESSES or setup == "colocated_two_gpus"
-        devices = [self.drafter, self.verifier] if two else [self.verifier]
+        devices = [self.drafter, self.verifier] if setup in TWO_GPUS else [self.verifier]
         cuda = [d for d in devices if d and d.startswith("cuda")]
         return sorted({int(d.split(":")[1]) if ":" in d else 0 for d in cuda})
 
@@ -116,7 +116,7 @@ class Fleet:
             if setup == "two_gpus_socket":
                 argv += ["--drafter-socket", self.step_socket(w)]
         elif setup in COLOCATED:
-            drafter = self.devices.drafter if setup == "colocated_two_gpus" else self.devices.verifier
+            drafter = self.devices.drafter if setup in TWO_GPUS else self.devices.verifier
             argv += ["--colocated", *(["--head", w.head] if w.head else []),
                      *(["--drafter-device", drafter] if drafter else [])]
         if setup != "target_only":
