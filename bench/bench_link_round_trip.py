@@ -113,7 +113,7 @@ async def measure(link: DrafterLink, steps: int) -> list[tuple[float, ...]]:
     out = []
     for _ in range(steps):
         sent = time.perf_counter()
-        future = link.send(pb.DraftStep())
+        future = link.send(pb.DraftStep(), {})
         result = await link.result(future)
         done = time.perf_counter()
         assert result is not None, "the drafter did not answer"

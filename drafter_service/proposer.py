@@ -201,8 +201,10 @@ class EagleProposer:
             raise ProposerError(f"request {request_id!r} exceeds the drafter context of {self.max_context}")
         request.pending_tokens += tokens
         request.chain = None  # tokens settled after it: a table can no longer be asked for its check
-        # Kept on the host until propose(), which sends every request's pending features over in one copy.
-        request.pending_features.append(features.to("cpu", self.head.dtype))
+        # Kept on the host until propose(), which sends every request's pending features over in one copy;
+        # features already on this device (a co-located verifier's) stay there.
+        home = self.device if features.device == self.device else torch.device("cpu")
+        request.pending_features.append(features.to(home, self.head.dtype))
 
     # ------------------------------------------------------------------------------------ propose
 
@@ -291,7 +293,9 @@ class EagleProposer:
         counts = [r.num_pending - 1 for r in rows]
         width = max(counts)
         ids = torch.zeros(len(rows), width, dtype=torch.int64)
-        feats = torch.zeros(len(rows), width, self.head.config.feature_dim, dtype=self.head.dtype)
+        home = rows[0].pending_features[0].device  # the host for features from the wire, else this device
+        feats = torch.zeros(len(rows), width, self.head.config.feature_dim, dtype=self.head.dtype,
+                            device=home)
         for i, (r, n) in enumerate(zip(rows, counts, strict=True)):
             ids[i, :n] = torch.tensor(r.pending_tokens[:n])
             feats[i, :n] = torch.cat(r.pending_features)[:n]
@@ -317,7 +321,8 @@ class EagleProposer:
         self, requests: list[_Request], ks: list[int], temperature: list[float], top_k: list[int], size: int
     ) -> None:
         """Rewrite every input of rows [0, size) on the host, live rows from the requests, the rest as
-        padding (trash slot, nothing pending, greedy), then send them over in one copy."""
+        padding (trash slot, nothing pending, greedy), then send them over in one copy. Features already on
+        the device are copied there after it (and the copy leaves the features out when all are)."""
         B = len(requests)
         self._inputs.wait_free()
         round_trace.mark("d.inputs_free")
@@ -327,13 +332,20 @@ class EagleProposer:
         meta[:, B:size] = np.array([[self.cache.trash_slot], [0], [0], [0], [0]])
         temps[:B], temps[B:size] = temperature, 0.0
         ids[:size] = 0
+        on_device = []  # (row, first position, features)
         for b, r in enumerate(requests):
             ids[b, :r.num_pending] = r.pending_tokens
             first = 0
             for rows in r.pending_features:
-                features[b, first:first + len(rows)] = as_numpy(rows)
+                if rows.device.type == "cpu":
+                    features[b, first:first + len(rows)] = as_numpy(rows)
+                else:
+                    on_device.append((b, first, rows))
                 first += len(rows)
-        self._inputs.send("features", size)
+        host_rows = sum(r.num_pending for r in requests) > sum(len(rows) for _, _, rows in on_device)
+        self._inputs.send("features", size if host_rows else 0)
+        for b, first, rows in on_device:
+            self._features[b, first:first + len(rows)].copy_(rows)
 
     def _draft_loop(self, size: int, mode: str, steps: int | None = None, keep_chain: bool = False) -> None:
         """The graph body: first step over the pending pairs, then max_drafts - 1 single-token steps.

@@ -14,7 +14,7 @@ import asyncio
 import itertools
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 
 import grpc
 import torch
@@ -171,7 +171,7 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
                 fresh = inbox.empty()  # else a newer step (or the stream's end) is waiting
                 self.metrics.rpc_bytes["received"].inc(step.ByteSize())
                 round_trace.mark("d.taken")
-                result = self.run_step(stream, owned, step, fresh)
+                result = self.run_step(stream, owned, step, draft=fresh)
                 round_trace.mark("d.returned")
                 self.metrics.rpc_bytes["sent"].inc(result.ByteSize())
                 await write(result)
@@ -200,17 +200,19 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
     # ------------------------------------------------------------------------------------------ worker
 
     @torch.inference_mode()
-    def run_step(self, stream: int, owned: set[str], step: pb.DraftStep, draft: bool = True
-                 ) -> pb.DraftResult:
+    def run_step(self, stream: int, owned: set[str], step: pb.DraftStep,
+                 features: Mapping[str, torch.Tensor] | None = None, draft: bool = True) -> pb.DraftResult:
         """Applies `step`'s updates, then drafts for its wants (on the proposer's thread); draft=False answers
-        a stale step with its updates applied and no drafts."""
+        a stale step with its updates applied and no drafts. features: per request id, its update's features
+        as a tensor (from a co-located verifier) instead of the bytes in the update."""
+        features = features or {}
         started = time.perf_counter()
         round_trace.mark("d.run")
         result = pb.DraftResult(step_id=step.step_id)
         for update in step.updates:
             key = f"{stream}/{update.request_id}"
             try:
-                self._apply(key, owned, update)
+                self._apply(key, owned, update, features.get(update.request_id))
             except (WireError, ProposerError, ValueError) as e:
                 self._free(key, owned)
                 result.dropped_request_ids.append(update.request_id)
@@ -235,7 +237,8 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
         self.metrics.num_requests.set(len(self._known))
         return result
 
-    def _apply(self, key: str, owned: set[str], update: pb.RequestUpdate) -> None:
+    def _apply(self, key: str, owned: set[str], update: pb.RequestUpdate, features: torch.Tensor | None
+               ) -> None:
         kind = update.WhichOneof("kind")
         if kind == "free":
             self._free(key, owned)
@@ -243,7 +246,7 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
         if kind == "new_request":
             self._free(key, owned)  # a re-send replaces what was there
             new = update.new_request
-            self.proposer.add(key, list(new.token_ids), self._features(new.features))
+            self.proposer.add(key, list(new.token_ids), self._features(new.features, features))
             owned.add(key)
             self._known[key] = len(new.token_ids)
             return
@@ -255,10 +258,12 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
         if accepted.position != self._known[key]:
             raise ValueError(f"accepted tokens at position {accepted.position}, but the drafter holds "
                              f"{self._known[key]} tokens")
-        self.proposer.update(key, list(accepted.token_ids), self._features(accepted.features))
+        self.proposer.update(key, list(accepted.token_ids), self._features(accepted.features, features))
         self._known[key] += len(accepted.token_ids)
 
-    def _features(self, message: pb.Tensor) -> torch.Tensor:
+    def _features(self, message: pb.Tensor, tensor: torch.Tensor | None) -> torch.Tensor:
+        if tensor is not None:  # the proposer checks its shape, as for a decoded one
+            return tensor
         return decode_tensor(message, dtypes=tuple(_FEATURE_DTYPES), ndim=2, name="features")
 
     def _free(self, key: str, owned: set[str]) -> None:

@@ -37,5 +37,5 @@ def colocated_link(engine: TargetEngine, tokenizer: Tokenizer, metrics: Verifier
     service = DrafterService(DrafterMetrics())
     service.load(proposer, engine.config, tokenizer.fingerprint, name)
     run_step = functools.partial(service.run_step, 0, set())
-    return LocalDrafterLink(run_step, service.info, service.mismatch, metrics, step_timeout=step_timeout,
-                            inline=proposer.device.type == "cuda")
+    return LocalDrafterLink(run_step, service.info, service.mismatch, metrics, proposer.device,
+                            step_timeout=step_timeout, inline=proposer.device.type == "cuda")

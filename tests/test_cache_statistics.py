@@ -104,7 +104,7 @@ def test_sampled_tokens_after_table_lookups_follow_the_target():
     service.load(proposer, config, tokenizer.fingerprint, "eagle1:bigram")
     metrics = VerifierMetrics()
     link = LocalDrafterLink(functools.partial(service.run_step, 0, set()), service.info, service.mismatch,
-                            metrics, step_timeout=5.0)
+                            metrics, proposer.device, step_timeout=5.0)
     outputs = asyncio.run(sample_many(engine, link, metrics))
 
     hits, misses = (metrics.cache[r]._value.get() for r in ("hit", "miss"))

@@ -51,8 +51,8 @@ def serve(world, service_class, **verifier_args) -> tuple[Drafter, Verifier]:
 class UnknownProbsKindDrafter(DrafterService):
     """Labels every proposal with a probs_kind the enum does not name."""
 
-    def run_step(self, stream, owned, step, draft=True):
-        result = super().run_step(stream, owned, step, draft)
+    def run_step(self, stream, owned, step, features=None, draft=True):
+        result = super().run_step(stream, owned, step, features, draft)
         for proposal in result.proposals:
             proposal.probs_kind = UNKNOWN_ENUM
         return result

@@ -140,7 +140,7 @@ def colocated(checkpoint, tokenizer, metrics: VerifierMetrics, inline: bool = Fa
     service = DrafterService(DrafterMetrics())
     service.load(proposer, config, tokenizer.fingerprint, "eagle1:bigram")
     return LocalDrafterLink(functools.partial(service.run_step, 0, set()), service.info, service.mismatch,
-                            metrics, step_timeout=5.0, inline=inline)
+                            metrics, proposer.device, step_timeout=5.0, inline=inline)
 
 
 class Verifier:
@@ -461,8 +461,8 @@ class GarbageDrafter(DrafterService):
         super().__init__(*args, **kwargs)
         self.turn = 0
 
-    def run_step(self, stream, owned, step, draft=True):
-        result = super().run_step(stream, owned, step, draft)
+    def run_step(self, stream, owned, step, features=None, draft=True):
+        result = super().run_step(stream, owned, step, features, draft)
         for proposal in result.proposals:
             self.corrupt(proposal)
         return result

@@ -5,6 +5,7 @@ add are worth more than the wait costs the whole batch."""
 import asyncio
 
 import pytest
+import torch
 from specwire.verifier.drafter_link import LocalDrafterLink
 from specwire.verifier.scheduler import just_in_time_wait, table_wait
 
@@ -56,8 +57,8 @@ def test_only_a_wait_of_the_whole_step_timeout_counts_as_a_drafter_fault():
     """A late table or just-in-time answer is the verifier's choice of a short wait (counted as late in
     specwire_spec_cache_*), not a fallback: the SpecwireDrafterFallback alert must not fire on it."""
     metrics = VerifierMetrics()
-    link = LocalDrafterLink(lambda step: None, dpb.DrafterInfo(), lambda request: "", metrics,
-                            step_timeout=0.02)
+    link = LocalDrafterLink(lambda step, features: None, dpb.DrafterInfo(), lambda request: "", metrics,
+                            torch.device("cpu"), step_timeout=0.02)
 
     async def unanswered(timeout: float | None) -> None:
         assert await link.result(asyncio.get_running_loop().create_future(), timeout=timeout) is None

@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import grpc
+import torch
 
 from specwire import grpc_common, round_trace
 from specwire.metrics import VerifierMetrics
@@ -92,18 +93,24 @@ class LocalDrafterLink(_StepResults):
     Steps are the same DraftStep messages, answered by `run_step` in order, without gRPC or serialisation;
     a failed step resolves to None like a broken stream.
 
+    Features cross as tensors on the drafter's device (`feature_device`): the scheduler keeps them there
+    (verifier.feature_store) and hands each step views of them, beside the step's messages.
+
     Steps run on the drafter's own worker thread, except, with `inline`, a step without tables sent while
     the worker is idle: the loop runs it at once. Those are serial drafts, which the loop waits for next
     anyway; a hand-off to the worker and back cost about 0.1 ms each (bench/round_timeline.py). Tables stay
     on the worker, drafted while the loop launches and collects the verification they are for."""
 
-    def __init__(self, run_step: Callable[[pb.DraftStep], pb.DraftResult], info: pb.DrafterInfo,
-                 mismatch: Callable[[pb.HandshakeRequest], str], metrics: VerifierMetrics,
-                 step_timeout: float = 0.5, max_in_flight: int = 4, inline: bool = False):
-        """run_step: the drafter's step function; mismatch: the drafter's handshake check (a one-line
-        reason, or empty); inline: serial steps may run on the loop (for a GPU drafter, whose step is
-        mostly launches and one wait)."""
+    def __init__(self, run_step: Callable[[pb.DraftStep, dict[str, torch.Tensor]], pb.DraftResult],
+                 info: pb.DrafterInfo, mismatch: Callable[[pb.HandshakeRequest], str],
+                 metrics: VerifierMetrics, feature_device: torch.device, step_timeout: float = 0.5,
+                 max_in_flight: int = 4, inline: bool = False):
+        """run_step(step, features): the drafter's step function, given each update's features by request
+        id; mismatch: the drafter's handshake check (a one-line reason, or empty); feature_device: where
+        the drafter takes features; inline: serial steps may run on the loop (for a GPU drafter, whose step
+        is mostly launches and one wait)."""
         self._run_step, self._info, self._mismatch, self._inline = run_step, info, mismatch, inline
+        self.feature_device = feature_device
         self.metrics, self.step_timeout, self.max_in_flight = metrics, step_timeout, max_in_flight
         self.target = "in-process"
         self.handshake = pb.HandshakeRequest()
@@ -139,7 +146,8 @@ class LocalDrafterLink(_StepResults):
     def can_send(self) -> bool:
         return self.connected and self._in_flight < self.max_in_flight
 
-    def send(self, step: pb.DraftStep) -> asyncio.Future | None:
+    def send(self, step: pb.DraftStep, features: dict[str, torch.Tensor]) -> asyncio.Future | None:
+        """As DrafterLink.send, with the updates' features as tensors on feature_device."""
         if not self.can_send():
             return None
         step.step_id = self._next_step
@@ -148,13 +156,13 @@ class LocalDrafterLink(_StepResults):
         future, sent_at = loop.create_future(), time.perf_counter()
         if self._inline and self._in_flight == 0 and not any(w.num_branches for w in step.wants):
             try:  # the worker is idle, so the drafter's state is this thread's alone
-                result, error = self._run_step(step), None
+                result, error = self._run_step(step, features), None
             except Exception as e:  # a failed step is a broken stream, as on the worker
                 result, error = None, e
             self._answer(future, sent_at, result, error)
             return future
         self._in_flight += 1
-        done = loop.run_in_executor(self._worker, self._run_step, step)
+        done = loop.run_in_executor(self._worker, self._run_step, step, features)
         done.add_done_callback(lambda task: self._answer_from_worker(task, future, sent_at))
         return future
 
@@ -187,6 +195,7 @@ class DrafterLink(_StepResults):
         gRPC). The owner sets `handshake`, `check_info` (raises HandshakeRefused for a drafter it cannot
         feed) and `on_connect` before `start`."""
         self.target, self.metrics, self.socket_path = target, metrics, socket_path
+        self.feature_device: torch.device | None = None  # features travel in the steps, as bytes
         self.channel_options = channel_options or grpc_common.ChannelOptions()
         self.handshake = pb.HandshakeRequest()
         self.check_info: Callable[[pb.DrafterInfo], None] = lambda info: None
@@ -230,10 +239,13 @@ class DrafterLink(_StepResults):
             return False
         return len(self._pending) < self.max_in_flight
 
-    def send(self, step: pb.DraftStep) -> asyncio.Future | None:
+    def send(self, step: pb.DraftStep, features: dict[str, torch.Tensor]) -> asyncio.Future | None:
         """Queues `step` for the stream's writer (its step_id is assigned here) and returns at once; the
         future resolves to its DraftResult, or None (a failed write drops the stream). Returns None, sending
-        nothing, when disconnected or when max_in_flight steps are unanswered."""
+        nothing, when disconnected or when max_in_flight steps are unanswered. `features` must be empty:
+        over a stream they travel in the step (feature_device is None)."""
+        if features:
+            raise ValueError("a remote drafter's features travel in the step, not as tensors")
         if not self.can_send():
             return None
         step.step_id = self._next_step

@@ -54,6 +54,7 @@ from specwire.verifier.alignment import (
 )
 from specwire.verifier.drafter_link import DrafterLink, HandshakeRefused
 from specwire.verifier.drafting_mode import DraftingMode
+from specwire.verifier.feature_store import FeatureStore
 
 from specwire import round_trace
 from specwire.engine import TargetEngine
@@ -277,6 +278,7 @@ class Scheduler:
         self._feature_columns: np.ndarray | slice | None = None
         self._feature_dtype = torch.float32
         self._readback = _Readback()  # the worker's feature table on its way to the host
+        self._store: FeatureStore | None = None  # instead, for a drafter that takes tensors (co-located)
         # Recorded after each verification the loop launches on CUDA: the loop polls it (see _verify).
         self._verified = torch.cuda.Event() if self.engine.device.type == "cuda" else None
         # News for the scheduler (a request came or was aborted, the drafter connected, closing): wakes the
@@ -765,6 +767,11 @@ class Scheduler:
         tokens = self._sample(out.logits, admitted, none).token_lists()
         if self.link is None:
             return _Step(tokens, None)
+        if self._store is not None:
+            self._store.write(self._feature_table(out.hidden, out.aux_hidden),
+                              [r.slot for r in admitted for _ in r.prompt],
+                              [i for r in admitted for i in range(len(r.prompt))])
+            return _Step(tokens, None)
         table = self._feature_table(out.hidden, out.aux_hidden).cpu()
         rows, first, features = as_numpy(table), 0, []
         for r in admitted:
@@ -801,9 +808,15 @@ class Scheduler:
             width = 1
         mode = "eager" if self.engine.graphs_for(len(live), width) is None else "cuda_graph"
         self.metrics.forward_steps_by_mode[mode].inc()
-        # Every fed row's features start towards the host now, overlapping the sampler; the settled rows are
-        # picked on the host once the sampler has said how many there are.
-        if self.link is not None:
+        # Every fed row's features start towards the drafter now, overlapping the sampler: into the store
+        # (rows of rejected drafts are rewritten next round), or to the host, where the settled rows are
+        # picked once the sampler has said how many there are.
+        if self._store is not None:
+            fed = list(zip(live, starts, batch.num_drafts, strict=True))
+            self._store.write(self._feature_table(out.hidden, out.aux_hidden),
+                              [r.slot for r, _, k in fed for _ in range(k + 1)],
+                              [start + j for _, start, k in fed for j in range(k + 1)])
+        elif self.link is not None:
             self._readback.start(self._feature_table(out.hidden, out.aux_hidden))
         round_trace.mark("v.forward_queued")
         sampled = self._sample(out.logits, live, batch)
@@ -816,7 +829,8 @@ class Scheduler:
         tokens = launch.sampled.token_lists()  # the first wait for the device
         round_trace.mark("v.tokens")
         features = dtype = None
-        if self.link is not None:  # the rows the target ran on whose next token is now settled
+        if self.link is not None and self._store is None:  # the rows the target ran on whose next token is
+            # now settled
             # Views of the readback buffer: _round copies them into each request's FeatureRows before the
             # next verification reuses it.
             table = self._readback.wait()
@@ -879,11 +893,15 @@ class Scheduler:
         if dtype is None:  # an unknown enum value has no name: print the number
             raise HandshakeRefused(f"drafter asks for features as DType {info.feature_dtype}; this verifier "
                                    f"sends float32, bfloat16 or float16")
+        width = len(columns)
         if blocks == list(range(blocks[0], blocks[0] + len(blocks))):  # adjacent blocks: a slice, no gather
             columns = slice(blocks[0] * H, (blocks[-1] + 1) * H)
         else:
             columns = columns.numpy()
         self._feature_columns, self._feature_dtype = columns, dtype
+        device = self.link.feature_device
+        self._store = None if device is None else FeatureStore(
+            self.engine.max_slots, self.max_context, columns, width, dtype, device)
 
     def _on_drafter_connect(self) -> None:
         """A fresh stream holds nothing: every live request is re-sent whole with its next step."""
@@ -917,9 +935,12 @@ class Scheduler:
             want.seed = p.seed
         return Want(k, temperature, top_k)
 
-    def _features(self, sends: list[tuple[Request, int]]) -> list[dpb.Tensor]:
+    def _features(self, sends: list[tuple[Request, int]]) -> list[dpb.Tensor] | list[torch.Tensor]:
         """Per (request, first token to send): the features of the positions before those tokens, picked and
-        converted for the drafter (bytes as they are when it takes the dtype the target computes in)."""
+        converted for the drafter (bytes as they are when it takes the dtype the target computes in), or
+        views of the store for a drafter that takes tensors."""
+        if self._store is not None:
+            return [self._store.view(r.slot, max(start - 1, 0), len(r.tokens) - 1) for r, start in sends]
         return encode_arrays([(r.features[max(start - 1, 0):len(r.tokens) - 1][:, self._feature_columns],
                                r.features.dtype) for r, start in sends], self._feature_dtype)
 
@@ -939,6 +960,7 @@ class Scheduler:
         # feature) each step. A request without room waits, undrafted, for one; this step's frees come first.
         room = self._drafter_room()
         told, sends = [], []  # sends: (request, its first token the drafter has not been told)
+        tensors: dict[str, torch.Tensor] = {}  # features handed over as tensors (the store's views)
         for r in group:
             if r.drafter_len == 0:
                 if room == 0:
@@ -952,11 +974,13 @@ class Scheduler:
             update = step.updates.add(request_id=r.id)
             if start == 0:
                 update.new_request.token_ids.extend(r.tokens)
-                update.new_request.features.CopyFrom(features)
             else:
                 update.accepted.position = start
                 update.accepted.token_ids.extend(r.tokens[start:])
-                update.accepted.features.CopyFrom(features)
+            if isinstance(features, torch.Tensor):
+                tensors[r.id] = features
+            else:
+                (update.new_request if start == 0 else update.accepted).features.CopyFrom(features)
         wants: dict = {}
         if kind == "tables":
             # A table needs tokens settled since the last one: sent now, or with a "chains" step since.
@@ -980,7 +1004,7 @@ class Scheduler:
                 if k := self._num_drafts(r):
                     wants[r.id] = self._want(step, r, k)
                     step.wants[-1].keep_chain = kind == "chains"
-        future = self.link.send(step)
+        future = self.link.send(step, tensors)
         if future is None:
             return None
         if kind == "tables":

@@ -1,0 +1,90 @@
+"""The co-located drafter is handed target features as tensors (views of verifier.feature_store) instead of
+bytes in its steps. Whatever the drafts, the output stays the target's, so only this test would see a wrong
+row: for every token of every request, the drafter must be handed the target's own feature (the three taps
+of an EAGLE-3 head), as a prefill of the request's final tokens computes them. More requests than slots, so
+slots are reused; serial drafting and speculation-cache tables both; on a GPU machine also with the drafter
+on another GPU than the target (the store's rows then cross devices). The random head's drafts are forced
+accepted at high rates (as the synthetic benchmarks do), so that rounds settle several tokens."""
+
+import asyncio
+import functools
+from collections import defaultdict
+
+import pytest
+import torch
+from specwire.drafter.eagle_head import random_eagle_head
+from specwire.drafter.proposer import EagleProposer
+from specwire.drafter.server import DrafterService
+from specwire.verifier.drafter_link import LocalDrafterLink
+from specwire.verifier.scheduler import Scheduler, SchedulerConfig
+from test_services_e2e import MAX_CONTEXT, tiny_target
+
+from specwire.default_model import default_model_path
+from specwire.engine import TargetEngine
+from specwire.metrics import DrafterMetrics, VerifierMetrics
+from specwire.sampling_params import SamplingParams
+from specwire.tokenizer import load_tokenizer
+
+K, SLOTS, REQUESTS, MAX_TOKENS = 3, 3, 7, 30
+
+
+async def generate(engine: TargetEngine, link: LocalDrafterLink, cache_branches: int) -> list[list[int]]:
+    scheduler = Scheduler(engine, load_tokenizer(default_model_path()), VerifierMetrics(),
+                          SchedulerConfig(num_speculative_tokens=K, cache_branches=cache_branches,
+                                          table_wait=5.0, just_in_time_wait=5.0,
+                                          forced_acceptance=(0.9, 0.8, 0.7)), link)
+    scheduler.start()
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 30_000, (int(n),), generator=g).tolist()
+               for n in torch.randint(4, 40, (REQUESTS,), generator=g)]
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        requests = [scheduler.submit(p, params, request_id=str(i)) for i, p in enumerate(prompts)]
+        for r in requests:
+            while (await r.outputs.get()).finish_reason is None:
+                pass
+        return [r.tokens for r in requests]
+    finally:
+        await scheduler.close()
+
+
+def two_gpus():
+    if not torch.cuda.is_available():
+        return pytest.param(None, marks=pytest.mark.skip(reason="needs CUDA"))
+    return pytest.param(("cuda:0", f"cuda:{torch.cuda.device_count() - 1}"), marks=pytest.mark.gpu)
+
+
+@pytest.mark.parametrize("devices", [("cpu", "cpu"), two_gpus()], ids=["cpu", "gpus"])
+@pytest.mark.parametrize("cache_branches", [0, 4])
+def test_the_colocated_drafter_is_handed_the_target_features_of_every_token(cache_branches, devices):
+    drafter_device, verifier_device = devices
+    config, sd = tiny_target()
+    head = random_eagle_head(config, sd, torch.float32, drafter_device, MAX_CONTEXT)
+    assert head.config.feature_dim == 3 * config.hidden_size
+    engine = TargetEngine(checkpoint=(config, sd), device=verifier_device, dtype=torch.float32,
+                          max_slots=SLOTS, max_context=MAX_CONTEXT, aux_layers=head.config.aux_layers,
+                          max_verify_tokens=K + 1)
+    proposer = EagleProposer(head, max_requests=SLOTS, max_context=MAX_CONTEXT, max_drafts=K, max_top_k=8,
+                             max_branches=cache_branches)
+    handed = defaultdict(list)  # drafter key -> the features of each add/update, in order
+    append = proposer._append
+
+    def record(request_id, request, tokens, features):
+        handed[request_id].append(features.to("cpu", copy=True))
+        append(request_id, request, tokens, features)
+
+    proposer._append = record
+    service = DrafterService(DrafterMetrics())
+    service.load(proposer, config, load_tokenizer(default_model_path()).fingerprint, "eagle3:random")
+    link = LocalDrafterLink(functools.partial(service.run_step, 0, set()), service.info, service.mismatch,
+                            VerifierMetrics(), proposer.device, step_timeout=5.0)
+    outputs = asyncio.run(generate(engine, link, cache_branches))
+
+    reference = TargetEngine(checkpoint=(config, sd), device=verifier_device, dtype=torch.float32,
+                             max_slots=1, max_context=MAX_CONTEXT, aux_layers=head.config.aux_layers)
+    for i, tokens in enumerate(outputs):
+        got = torch.cat(handed[f"0/{i}"])
+        # rows 0..n-1: the positions of the tokens the drafter was told of, but the last
+        assert len(tokens) - MAX_TOKENS < got.shape[0] < len(tokens)
+        want = reference.prefill([(0, tokens)]).aux_hidden[:got.shape[0]].cpu()
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4, msg=f"request {i}")

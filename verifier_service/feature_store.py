@@ -1,0 +1,45 @@
+"""Target features kept where an in-process drafter reads them: on its device, never on the host.
+
+A drafter behind gRPC or the step socket gets each request's features as bytes in its DraftSteps, so the
+verifier reads them back to the host and keeps them there (scheduler.FeatureRows). A co-located drafter
+takes tensors: each forward's feature table (the columns the drafter asked for, in the dtype of its
+handshake) is copied once to the drafter's device, into one buffer indexed by (engine slot, position), and a
+step hands over views of it. (Traced at the 8B shape with batch 16, the host path spent about 2.2 ms of a
+10 ms round on those copies: bench/results/session15_h200x2/.)
+
+A verification writes the rows of every token it was fed, before its sampler has said how many settle: the
+rows of rejected drafts are rewritten by the next verification (it starts at the first of them) before any
+step hands them over, as a step only sends rows of settled tokens. Rows of settled tokens are never
+rewritten while their request lives, and a slot is written only by the request in it, so a view handed over
+stays valid for its request. The buffer is sized like the KV cache: slots x max_context x feature width
+(15-20% of the target's KV bytes for the shipped shapes); on a CPU it is allocated untouched, so positions
+never written cost nothing.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from specwire.staging import upload
+
+
+class FeatureStore:
+    def __init__(self, slots: int, max_context: int, columns: slice | np.ndarray, width: int,
+                 dtype: torch.dtype, device: torch.device):
+        """columns: the feature table's columns the drafter asked for (`width` of them)."""
+        self.rows = torch.empty(slots, max_context, width, dtype=dtype, device=device)
+        self._columns = columns if isinstance(columns, slice) else torch.as_tensor(columns)
+
+    def write(self, table: torch.Tensor, slots: list[int], positions: list[int]) -> None:
+        """rows[slots[i], positions[i]] = the picked columns of table row i, for every i. Queued on both
+        devices' streams without a wait; `table` may be overwritten by whatever is queued after."""
+        n = len(slots)
+        picked = table[:n, self._columns] if isinstance(self._columns, slice) else (
+            table[:n].index_select(1, self._columns.to(table.device)))
+        where = upload(torch.tensor([slots, positions]), self.rows.device)
+        self.rows[where[0], where[1]] = picked.to(self.rows.device, self.rows.dtype)
+
+    def view(self, slot: int, start: int, end: int) -> torch.Tensor:
+        """A request's rows [start, end): shared with the buffer, valid while that request holds the slot."""
+        return self.rows[slot, start:end]
