@@ -7,6 +7,7 @@ A service builds `GrpcServer(ServerOptions.from_args(args))`, adds its servicer 
 
 import argparse
 import asyncio
+import gc
 import hmac
 import json
 import logging
@@ -358,7 +359,10 @@ class GrpcServer:
     async def serve_forever(self, on_ready: Callable[[], Awaitable[None]] | None = None) -> None:
         """Starts (unless started), drains on SIGTERM/SIGINT, and returns once the server has stopped.
 
-        `on_ready` runs after the ports are bound, e.g. to load the model and then `set_serving(True)`.
+        `on_ready` runs after the ports are bound, e.g. to load the model and then `set_serving(True)`. What
+        the start-up left (modules, the model, compiled kernels: about 300,000 objects the cyclic collector
+        tracks) is then frozen out of the collector's reach: each full collection walked them all, 145 ms on
+        the 2-core CPU, and every stream of the process stalled meanwhile.
         """
         if self.port is None:
             await self.start()
@@ -369,6 +373,10 @@ class GrpcServer:
         try:
             if on_ready is not None:
                 await on_ready()
+            gc.collect()
+            gc.freeze()
+            log.info("start-up objects frozen out of the garbage collector",
+                     extra={"objects": gc.get_freeze_count()})
             await self._server.wait_for_termination()
             for task in drains:
                 await task
