@@ -19,7 +19,8 @@ yaml = pytest.importorskip("yaml", reason="PyYAML is needed to parse the manifes
 
 ROOT = Path(__file__).resolve().parents[1]
 K8S = ROOT / "k8s"
-OVERLAYS = ("k8s", "k8s/overlays/colocated", "k8s/overlays/in-process", "k8s/overlays/dev-no-tls")
+IN_PROCESS = ("k8s/overlays/in-process", "k8s/overlays/in-process-two-gpus")
+OVERLAYS = ("k8s", "k8s/overlays/colocated", *IN_PROCESS, "k8s/overlays/dev-no-tls")
 # kind -> the Prometheus Operator CRD's schema as JSON schema (tests/schemas/README.md says where from)
 CRD_SCHEMAS = {
     "ServiceMonitor": "servicemonitor_v1.json",
@@ -98,10 +99,15 @@ def test_services_get_a_gpu_probes_and_a_drain_that_fits(built, overlay):
     docs = built[overlay]
     config = _of(docs, "ConfigMap")["specwire-config"]["data"]
     containers = _containers(docs)
-    in_process = overlay == "k8s/overlays/in-process"
+    in_process = overlay in IN_PROCESS
     assert set(containers) == ({"verifier"} if in_process else {"drafter", "verifier"})
+    two_gpus = overlay.endswith("two-gpus")  # the in-process verifier with its drafter on a second GPU
     for name, (c, pod) in containers.items():
-        assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
+        assert c["resources"]["limits"]["nvidia.com/gpu"] == c["resources"]["requests"]["nvidia.com/gpu"]
+        assert c["resources"]["limits"]["nvidia.com/gpu"] == (2 if two_gpus else 1)
+        if two_gpus:
+            assert pod["nodeSelector"] == {"nvidia.com/gpu.count": "2"}
+            assert c["args"][c["args"].index("--drafter-device") + 1] == "cuda:1"
         ports = {p["name"]: p["containerPort"] for p in c["ports"]}
         health_port = int(c["args"][c["args"].index("--health-listen") + 1].rsplit(":", 1)[1])
         assert health_port in ports.values()
@@ -178,7 +184,7 @@ def test_the_colocated_pod_shares_the_drafters_step_socket(built):
     assert mounted[0] == mounted[1] and len(mounted[0]) == 1
     assert volumes[mounted[0].pop()]["emptyDir"]["medium"] == "Memory"
     # Elsewhere the drafter is another pod: no socket to share.
-    for overlay in ("k8s", "k8s/overlays/in-process", "k8s/overlays/dev-no-tls"):
+    for overlay in ("k8s", *IN_PROCESS, "k8s/overlays/dev-no-tls"):
         assert "--drafter-socket" not in _containers(built[overlay])["verifier"][0]["args"]
 
 
