@@ -202,8 +202,8 @@ class EagleProposer:
         request.pending_tokens += tokens
         request.chain = None  # tokens settled after it: a table can no longer be asked for its check
         # Kept on the host until propose(), which sends every request's pending features over in one copy;
-        # features already on this device (a co-located verifier's) stay there.
-        home = self.device if features.device == self.device else torch.device("cpu")
+        # features already on a GPU (a co-located verifier's) stay there. By type: "cuda" names no index.
+        home = self.device if features.device.type == self.device.type else torch.device("cpu")
         request.pending_features.append(features.to(home, self.head.dtype))
 
     # ------------------------------------------------------------------------------------ propose
