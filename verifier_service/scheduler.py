@@ -829,10 +829,9 @@ class Scheduler:
         tokens = launch.sampled.token_lists()  # the first wait for the device
         round_trace.mark("v.tokens")
         features = dtype = None
-        if self.link is not None and self._store is None:  # the rows the target ran on whose next token is
-            # now settled
-            # Views of the readback buffer: _round copies them into each request's FeatureRows before the
-            # next verification reuses it.
+        if self.link is not None and self._store is None:
+            # The rows the target ran on whose next token is now settled, as views of the readback buffer:
+            # _round copies them into each request's FeatureRows before the next verification reuses it.
             table = self._readback.wait()
             rows, features, first, dtype = as_numpy(table), [], 0, table.dtype
             for drafted, settled in zip(launch.num_drafts, tokens, strict=True):
