@@ -177,9 +177,11 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
                 await write(result)
                 round_trace.mark("d.written")
         finally:
+            # Freed before any await: a stream cancelled again while it waits for its reader (a connection
+            # reset under load) would otherwise keep its requests held for good (the link-fault test: 8 left).
+            self._free_all(owned)
             reader.cancel()
             await asyncio.gather(reader, return_exceptions=True)
-            self._free_all(owned)
             log.info("draft stream closed", extra={"stream": stream})
 
     async def _read_steps(self, read: Callable[[], Awaitable[object]], inbox: asyncio.Queue) -> None:
