@@ -7,6 +7,7 @@ frees its slot here and its state on the drafter.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 
 import grpc
 from specwire.verifier.drafter_link import DrafterLink, LocalDrafterLink
-from specwire.verifier.scheduler import Request, RequestError, Scheduler, SchedulerConfig
+from specwire.verifier.scheduler import Output, Request, RequestError, Scheduler, SchedulerConfig
 
 from specwire import grpc_common
 from specwire.engine import TargetEngine
@@ -28,6 +29,17 @@ from specwire.wire import PROTOCOL_VERSION
 log = logging.getLogger("specwire.verifier")
 
 _FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH, "abort": pb.FINISH_REASON_ABORT}
+
+
+def with_waiting(outputs: asyncio.Queue, out: Output) -> Output:
+    """`out` and every output already waiting behind it, as one: a stream that fell behind its request (the
+    loop busy with rounds, as a co-located verifier's is) catches up in one write instead of one a round.
+    Modelled in bench/bench_stream_starvation.py: 16 streams, a loop that yields once a round, 55 rounds;
+    the last chunk came 29 ms after its round, 1.9 ms with this."""
+    while out.finish_reason is None and not outputs.empty():
+        more = outputs.get_nowait()
+        out = Output(out.token_ids + more.token_ids, out.text + more.text, more.finish_reason, more.error)
+    return out
 
 
 class GenerationService(generation_pb2_grpc.GenerationServicer):
@@ -49,15 +61,15 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         done = False
         try:
             while not done:
-                out = await r.outputs.get()
+                out = with_waiting(r.outputs, await r.outputs.get())
                 done = out.finish_reason is not None
+                if out.token_ids or out.text:
+                    yield pb.GenerateResponse(request_id=request_id,
+                                              chunk=pb.Chunk(token_ids=out.token_ids, text=out.text))
                 if out.finish_reason == "error":
                     yield pb.GenerateResponse(request_id=request_id, error=pb.Error(
                         code=pb.ERROR_CODE_INTERNAL, message=out.error))
                     return
-                if out.token_ids or out.text:
-                    yield pb.GenerateResponse(request_id=request_id,
-                                              chunk=pb.Chunk(token_ids=out.token_ids, text=out.text))
             yield pb.GenerateResponse(request_id=request_id, complete=self.complete(r))
         finally:
             if not done:  # the client went away (cancel, deadline): free the slot and the drafter state
