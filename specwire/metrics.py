@@ -151,6 +151,11 @@ class VerifierMetrics(_ServiceMetrics):
         self.inter_token_latency = h(
             "inter_token_latency_seconds", "Time between a request's output tokens.", ITL_BUCKETS
         )
+        self.stream_outputs_joined = c(
+            "stream_outputs_joined",
+            "Outputs of a request sent in the chunk of an earlier one: its stream had fallen behind (the "
+            "verifier's loop busy with rounds) and caught up in one write.",
+        )
         self.e2e_request_latency = h(
             "e2e_request_latency_seconds", "Request arrival to last token.", E2E_BUCKETS
         )
