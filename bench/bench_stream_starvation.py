@@ -19,6 +19,7 @@ import json
 import multiprocessing
 import statistics
 import time
+from collections.abc import AsyncIterator
 
 import grpc
 
@@ -34,9 +35,8 @@ def spin(seconds: float) -> None:
 async def serve(port_out, args: argparse.Namespace) -> None:
     queues: list[asyncio.Queue] = []
     go = asyncio.Event()
-    finished_at: list[float] = []
 
-    async def stream(request: bytes, context) -> None:
+    async def stream(request: bytes, context) -> AsyncIterator[bytes]:
         q: asyncio.Queue = asyncio.Queue()
         queues.append(q)
         if len(queues) == args.streams:
@@ -64,7 +64,6 @@ async def serve(port_out, args: argparse.Namespace) -> None:
             await asyncio.sleep(0)
             while time.perf_counter() < poll_end:
                 await asyncio.sleep(0)
-        finished_at.append(time.time())
         for q in queues:
             q.put_nowait(b"")
 

@@ -332,17 +332,17 @@ class EagleProposer:
         meta[:, B:size] = np.array([[self.cache.trash_slot], [0], [0], [0], [0]])
         temps[:B], temps[B:size] = temperature, 0.0
         ids[:size] = 0
-        on_device = []  # (row, first position, features)
+        on_device, host_rows = [], False  # on_device: (row, first position, features)
         for b, r in enumerate(requests):
             ids[b, :r.num_pending] = r.pending_tokens
             first = 0
             for rows in r.pending_features:
                 if rows.device.type == "cpu":
                     features[b, first:first + len(rows)] = as_numpy(rows)
+                    host_rows = True
                 else:
                     on_device.append((b, first, rows))
                 first += len(rows)
-        host_rows = sum(r.num_pending for r in requests) > sum(len(rows) for _, _, rows in on_device)
         self._inputs.send("features", size if host_rows else 0)
         for b, first, rows in on_device:
             self._features[b, first:first + len(rows)].copy_(rows)
