@@ -9,7 +9,10 @@ forced mean acceptance lengths and speculation-cache hit rates; at several batch
 writes services_h200x2.json (SmolLM2) and services_8b_synthetic_h200x2.json (the synthetic 8B shape); see
 bench/README.md for the device command, bench/plot_services.py for the plots. Every point sends `batch`
 requests at once (fixed length: ignore_eos; unseeded, since the verifier asks seeded requests for greedy
-drafts and users rarely seed), `--repeats` times, and reads:
+drafts and users rarely seed), `--repeats` times; with `--loads sustained`, also `batch` requests in flight
+at a time (lanes that each send their next request when the last one ends, `--repeats` requests a lane; a
+static batch lasts until its slowest request ends, which speculation's varying acceptance makes later than
+target-only's), and reads:
 
 - from the client's stream (bench/services_client.py): tokens/s (all tokens / wall time of the batches),
   TTFT, inter-chunk latency and TPOT percentiles, mean acceptance length (from the requests' usage);
@@ -63,6 +66,7 @@ from specwire.drafter.cli import DEFAULT_HEAD
 
 from specwire.default_model import resolve_model_path
 
+LOADS = ("batch", "sustained")
 DEFAULT_PROMPTS = Path(__file__).parent / "data" / "heldout_chat_sharegpt.jsonl"
 
 
@@ -76,6 +80,12 @@ def cache_setting(text: str) -> HitRate:
     if text.strip() not in ("on", "off", "adaptive"):
         raise argparse.ArgumentTypeError(f"a cache setting is 'on', 'off' or 'adaptive', got {text!r}")
     return None if text.strip() == "on" else text.strip()
+
+
+def load_kind(text: str) -> str:
+    if text.strip() not in LOADS:
+        raise argparse.ArgumentTypeError(f"a load is one of {', '.join(LOADS)}, got {text!r}")
+    return text.strip()
 
 
 def csv(kind: Callable[[str], object]) -> Callable[[str], list]:
@@ -122,7 +132,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hf-temperatures", type=csv(float), default=[0.0])
     p.add_argument("--hf-max-tokens", type=int, default=32, help="tokens per transformers request")
     p.add_argument("--max-tokens", type=int, default=128, help="tokens per request")
-    p.add_argument("--repeats", type=int, default=2, help="batches per point")
+    p.add_argument("--repeats", type=int, default=2, help="batches per point (requests per lane, sustained)")
+    p.add_argument("--loads", type=csv(load_kind), default=["batch"],
+                   help="batch (all of a batch sent at once, --repeats times) and/or sustained (batch "
+                        "requests in flight at a time; batch sizes > 1)")
+    p.add_argument("--chunk-times", action="store_true",
+                   help="write every request's chunk arrival times to chunks_TAG.jsonl (where ITL goes)")
     p.add_argument("--max-context", type=int, default=1024, help="services' KV positions per request")
     p.add_argument("--drafter-device", default=None)
     p.add_argument("--verifier-device", default=None)
@@ -200,26 +215,38 @@ def jobs(args: argparse.Namespace, ws: list[Workload]) -> list[Job]:
 
 def measure(client: Client, port: int, metric_ports: dict[str, int | None], gpus: list[int],
             prompts: list[str], batches: list[int], args: argparse.Namespace) -> list[dict]:
-    """Rows of one running configuration: every (batch, temperature), after a short warm-up of each."""
+    """Rows of one running configuration: every (batch, temperature, load), after a short warm-up of each
+    batch and temperature. Both loads send the same prompts in the same order."""
     for batch in batches:
         for temperature in args.temperatures:
             client.run_batch(port, prompts[:batch], 16, temperature)
     rows = []
     for batch in batches:
         for temperature in args.temperatures:
-            before = {name: scrape(p) for name, p in metric_ports.items()}
-            wall, timings = 0.0, []
-            with GpuBusy(gpus) as busy:
-                for r in range(args.repeats):
-                    chosen = [prompts[(r * batch + i) % len(prompts)] for i in range(batch)]
-                    seconds, got = client.run_batch(port, chosen, args.max_tokens, temperature)
-                    wall, timings = wall + seconds, timings + got
-            delta = Delta(before, {name: scrape(p) for name, p in metric_ports.items()})
-            rows.append({"batch": batch, "temperature": temperature, **summarize(wall, timings),
-                         "round_ms": round_split(delta, wall), "cache": cache_hit_rate(delta),
-                         "wire_bytes_per_step": wire_bytes_per_step(delta), "gpu_busy": busy.result(),
-                         "_outputs": [t.token_ids for t in timings],
-                         "_step_seconds": delta.get("verifier", "specwire_verify_step_seconds_sum")})
+            for load in args.loads:
+                if load == "sustained" and batch == 1:  # one request at a time either way
+                    continue
+                chosen = [prompts[i % len(prompts)] for i in range(args.repeats * batch)]
+                before = {name: scrape(p) for name, p in metric_ports.items()}
+                wall, timings = 0.0, []
+                with GpuBusy(gpus) as busy:
+                    if load == "sustained":
+                        wall, timings = client.run_sustained(port, chosen, batch, args.max_tokens,
+                                                             temperature)
+                    for r in range(args.repeats if load == "batch" else 0):
+                        seconds, got = client.run_batch(port, chosen[r * batch:(r + 1) * batch],
+                                                        args.max_tokens, temperature)
+                        wall, timings = wall + seconds, timings + got
+                delta = Delta(before, {name: scrape(p) for name, p in metric_ports.items()})
+                start = min(t.sent_at for t in timings)
+                rows.append({"batch": batch, "temperature": temperature, "load": load,
+                             **summarize(wall, timings),
+                             "round_ms": round_split(delta, wall), "cache": cache_hit_rate(delta),
+                             "wire_bytes_per_step": wire_bytes_per_step(delta), "gpu_busy": busy.result(),
+                             "_outputs": [t.token_ids for t in timings],
+                             "_chunks": [{"sent": t.sent_at - start, "arrivals": t.arrivals}
+                                         for t in timings],
+                             "_step_seconds": delta.get("verifier", "specwire_verify_step_seconds_sum")})
     return rows
 
 
@@ -307,10 +334,13 @@ def commit(given: str | None) -> str:
 
 
 def report(w: Workload, rows: list[dict], skipped: list[dict], header: dict) -> dict:
-    base = {(r["batch"], r["temperature"]): r for r in rows if r["setup"] == "target_only"}
+    def point(r: dict) -> tuple:
+        return r["batch"], r["temperature"], r.get("load", "batch")  # transformers rows: static batches
+
+    base = {point(r): r for r in rows if r["setup"] == "target_only"}
     results = []
     for r in rows:
-        extra = compare(r, base.get((r["batch"], r["temperature"])), not w.synthetic)
+        extra = compare(r, base.get(point(r)), not w.synthetic)
         results.append({k: v for k, v in (r | extra).items() if not k.startswith("_")})
     head = w.head or ("random EAGLE-1 (synthetic)" if w.synthetic else "default")
     lengths = list(w.lengths) if w.synthetic else None
@@ -321,11 +351,22 @@ def report(w: Workload, rows: list[dict], skipped: list[dict], header: dict) -> 
             "skipped": skipped}
 
 
+def write_chunk_times(path: Path, workload: str, rows: list[dict]) -> None:
+    """Appends a line per point: its configuration and each request's send time (seconds after the point's
+    first) and chunk arrival times (seconds after its send)."""
+    keys = ("setup", "k", "forced_acceptance_length", "forced_hit_rate", "batch", "temperature", "load")
+    with path.open("a") as f:
+        for r in rows:
+            line = {"workload": workload, **{k: r.get(k) for k in keys}, "requests": r["_chunks"]}
+            f.write(json.dumps(line) + "\n")
+
+
 def print_table(name: str, results: list[dict]) -> None:
     print(f"\n{name}")
     columns = [("setup", "setup", ">12"), ("k", "k", ">2"), ("L", "forced_acceptance_length", ">4.1f"),
                ("hit", "forced_hit_rate", ">4"),
-               ("T", "temperature", ">3.0f"), ("batch", "batch", ">5"), ("tok/s", "tokens_per_s", ">9.1f"),
+               ("T", "temperature", ">3.0f"), ("batch", "batch", ">5"), ("load", "load", ">9"),
+               ("tok/s", "tokens_per_s", ">9.1f"),
                ("speedup", "speedup", ">7.2f"), ("ideal", "ideal_speedup", ">6.2f"),
                ("tau", "mean_acceptance_length", ">5.2f"), ("TTFT p50", "ttft_ms", ">9.1f"),
                ("ITL p50", "itl_ms", ">8.2f")]
@@ -353,7 +394,8 @@ def main(argv: list[str] | None = None) -> int:
         "commit": commit(args.commit), "machine": machine(),
         "prompts": {"file": args.prompts, "source_prefix": args.prompt_source,
                     "max_bytes": args.max_prompt_bytes, "count": len(prompts)},
-        "max_tokens": args.max_tokens, "repeats": args.repeats, "max_context": args.max_context,
+        "max_tokens": args.max_tokens, "repeats": args.repeats, "loads": args.loads,
+        "max_context": args.max_context,
         "client_processes": args.client_processes,
         "devices": {"drafter": args.drafter_device, "verifier": args.verifier_device},
         # the services read their defaults from these; a run under SPECWIRE_SWITCH_INTERVAL=... says so
@@ -367,6 +409,7 @@ def main(argv: list[str] | None = None) -> int:
     skipped: dict[str, list[dict]] = {w.name: [] for w in ws}
     unavailable: dict[str, str] = {}  # setup -> why the services refused it
     print(f"{len(plan)} configurations; service logs in {fleet.logs}", flush=True)
+    Path(args.out_dir).mkdir(parents=True, exist_ok=True)
     client, pace = Client(args.client_processes), Pace()
     try:
         for job in plan:
@@ -379,7 +422,10 @@ def main(argv: list[str] | None = None) -> int:
             if reason is None:
                 print(f"[{elapsed:6.1f} s] {w.name}: {setup} k={k} L={length} hit={hit}", flush=True)
                 try:
-                    rows[w.name] += [{**where, **r} for r in run_job(fleet, client, job, prompts, args)]
+                    got = [{**where, **r} for r in run_job(fleet, client, job, prompts, args)]
+                    if args.chunk_times:
+                        write_chunk_times(Path(args.out_dir) / f"chunks_{args.tag}.jsonl", w.name, got)
+                    rows[w.name] += got
                     pace.record(w.name, setup, len(batches), time.monotonic() - started - elapsed)
                 except SetupUnavailable as e:
                     unavailable[setup] = reason = str(e)
@@ -390,7 +436,6 @@ def main(argv: list[str] | None = None) -> int:
                 skipped[w.name].append({**where, "batches": batches, "reason": reason})
             for x in ws:  # after every configuration: a run cut short keeps what it measured
                 path = out_file(args, x)
-                path.parent.mkdir(parents=True, exist_ok=True)
                 result = report(x, rows[x.name], skipped[x.name], header)
                 path.write_text(json.dumps(result, indent=1) + "\n")
     finally:

@@ -23,10 +23,13 @@ SPLIT = ("verify", "draft", "transport", "host")
 
 
 def label(r: dict) -> str:
+    """A series: a setup's configuration and load (sustained rows apart from static batches)."""
+    load = " sustained" if r.get("load") == "sustained" else ""
     if r["setup"] in ("target_only", "transformers"):
-        return r["setup"]
+        return r["setup"] + load
     length, hit = r.get("forced_acceptance_length"), r.get("forced_hit_rate")
-    return f"{r['setup']} k={r['k']}" + (f" L={length:g}" if length else "") + (f" hit={hit}" if hit else "")
+    return (f"{r['setup']} k={r['k']}" + (f" L={length:g}" if length else "") + (f" hit={hit}" if hit else "")
+            + load)
 
 
 def series(results: list[dict], temperature: float = 0.0) -> dict[str, list[dict]]:

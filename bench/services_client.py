@@ -1,5 +1,7 @@
-"""The benchmark's client side: send a batch of streaming Generate requests at once and time every chunk as it
-arrives, so throughput and latency are what a gRPC client sees.
+"""The benchmark's client side: send streaming Generate requests and time every chunk as it arrives, so
+throughput and latency are what a gRPC client sees. Two loads: a static batch (all requests at once; the batch
+lasts until its slowest request ends) and sustained concurrency (each of N lanes sends its next request as its
+last one ends, as a server's users do and as vLLM's benchmark_serving --max-concurrency measures).
 
 Per request: TTFT (request sent to first chunk), the gaps between consecutive chunks (inter-token latency as
 vLLM's benchmark defines it: a chunk carries every token a round settled, so with speculation one gap can
@@ -31,6 +33,8 @@ class RequestTiming:
     seconds: float = 0.0  # request sent to last chunk
     drafts: int = 0
     accepted: int = 0
+    sent_at: float = 0.0  # time.perf_counter() when sent (CLOCK_MONOTONIC: comparable across processes)
+    arrivals: list[float] = field(default_factory=list)  # seconds after sent_at of each chunk
 
     @property
     def tpot(self) -> float | None:
@@ -70,7 +74,7 @@ def generate(port: int, prompt: str, max_tokens: int, temperature: float, seed: 
     sampling = pb.SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True, seed=seed)
     request = pb.GenerateRequest(text=prompt, chat=True, sampling=sampling)
     timing = RequestTiming()
-    started = last = time.perf_counter()
+    started = last = timing.sent_at = time.perf_counter()
     for response in _stub(port).Generate(request, timeout=600):
         now = time.perf_counter()
         kind = response.WhichOneof("event")
@@ -82,6 +86,7 @@ def generate(port: int, prompt: str, max_tokens: int, temperature: float, seed: 
             else:
                 timing.ttft = now - started
             timing.token_ids += response.chunk.token_ids
+            timing.arrivals.append(now - started)
             last = now
         elif kind == "complete":
             timing.drafts = response.complete.usage.drafts
@@ -90,15 +95,18 @@ def generate(port: int, prompt: str, max_tokens: int, temperature: float, seed: 
     return timing
 
 
-def _run_threads(port: int, prompts: list[str], max_tokens: int, temperature: float,
-                 seeds: list[int | None]) -> list[RequestTiming]:
-    with ThreadPoolExecutor(len(prompts)) as pool:
-        return list(pool.map(lambda i: generate(port, prompts[i], max_tokens, temperature, seeds[i]),
-                             range(len(prompts))))
+def _run_lanes(port: int, lanes: list[list[tuple[str, int | None]]], max_tokens: int, temperature: float
+               ) -> list[list[RequestTiming]]:
+    """One thread per lane, each sending its (prompt, seed) requests one after the other."""
+    def lane(requests: list[tuple[str, int | None]]) -> list[RequestTiming]:
+        return [generate(port, prompt, max_tokens, temperature, seed) for prompt, seed in requests]
+
+    with ThreadPoolExecutor(len(lanes)) as pool:
+        return list(pool.map(lane, lanes))
 
 
 class Client:
-    """Sends a batch of requests at once from `processes` worker processes (threads within each), so that
+    """Sends requests from `processes` worker processes (lanes spread over them, a thread per lane), so that
     Python on the client side is not what limits a large batch; 0 or 1: threads of this process only."""
 
     def __init__(self, processes: int = 0):
@@ -109,21 +117,30 @@ class Client:
     def run_batch(self, port: int, prompts: list[str], max_tokens: int, temperature: float,
                   seed: int | None = None) -> tuple[float, list[RequestTiming]]:
         """(wall seconds, timings in prompt order) of all prompts sent at once; request i gets seed + i."""
+        return self.run_sustained(port, prompts, len(prompts), max_tokens, temperature, seed)
+
+    def run_sustained(self, port: int, prompts: list[str], concurrency: int, max_tokens: int,
+                      temperature: float, seed: int | None = None) -> tuple[float, list[RequestTiming]]:
+        """(wall seconds, timings in prompt order) of the prompts sent `concurrency` at a time: lane j sends
+        prompts j, j + concurrency, ... each when the one before has ended; request i gets seed + i."""
         seeds = [None if seed is None else seed + i for i in range(len(prompts))]
-        if self._pool is None or len(prompts) == 1:
-            started = time.perf_counter()
-            timings = _run_threads(port, prompts, max_tokens, temperature, seeds)
-            return time.perf_counter() - started, timings
-        ways = min(self.processes, len(prompts))
-        shares = [list(range(len(prompts)))[w::ways] for w in range(ways)]
+        order = [list(range(len(prompts)))[j::concurrency] for j in range(min(concurrency, len(prompts)))]
+        lanes = [[(prompts[i], seeds[i]) for i in lane] for lane in order]
         started = time.perf_counter()
-        futures = [self._pool.submit(_run_threads, port, [prompts[i] for i in share], max_tokens, temperature,
-                                     [seeds[i] for i in share]) for share in shares]
-        results = [f.result() for f in futures]
+        if self._pool is None or len(lanes) == 1:
+            got = _run_lanes(port, lanes, max_tokens, temperature)
+        else:
+            ways = min(self.processes, len(lanes))
+            futures = [self._pool.submit(_run_lanes, port, lanes[w::ways], max_tokens, temperature)
+                       for w in range(ways)]
+            parts = [f.result() for f in futures]
+            got = [None] * len(lanes)
+            for w, part in enumerate(parts):
+                got[w::ways] = part
         wall = time.perf_counter() - started
         timings: list[RequestTiming] = [RequestTiming()] * len(prompts)
-        for share, got in zip(shares, results, strict=True):
-            for i, timing in zip(share, got, strict=True):
+        for lane, done in zip(order, got, strict=True):
+            for i, timing in zip(lane, done, strict=True):
                 timings[i] = timing
         return wall, timings
 

@@ -2,9 +2,9 @@
 
     python bench/services_table.py bench/results/services_h200x2.json [--temperature T] [--setups A,B]
 
-One row per point: setup, k, forced length, batch, tokens/s, speedup over target-only and its ideal
-(tau * t_target / t_verify), mean acceptance length (rounds with drafts), tokens per verification (all
-rounds), TTFT p50, inter-chunk latency p50 / p99, a verification
+One row per point: setup, k, forced length, batch, load (a static batch or sustained concurrency), tokens/s,
+speedup over target-only and its ideal (tau * t_target / t_verify), mean acceptance length (rounds with
+drafts), tokens per verification (all rounds), TTFT p50, inter-chunk latency p50 / p99, a verification
 step's split (verify / draft / transport / host, ms), GPU busy shares and drafter-link bytes per step.
 """
 
@@ -28,6 +28,7 @@ def row(r: dict) -> list[str]:
     return [
         r["setup"], fmt(r.get("k"), "d"), fmt(r.get("forced_acceptance_length"), "g"),
         str(r["forced_hit_rate"]) if r.get("forced_hit_rate") is not None else "—", fmt(r["batch"], "d"),
+        r.get("load", "batch"),
         fmt(r["tokens_per_s"], ",.0f"), fmt(r.get("speedup"), ".2f", "x"),
         fmt(r.get("ideal_speedup"), ".2f", "x"), fmt(r.get("mean_acceptance_length"), ".2f"),
         fmt(tokens_per_verification(r), ".2f"),
@@ -49,8 +50,8 @@ def tokens_per_verification(r: dict) -> float | None:
     return (r["tokens"] - r["requests"]) / (steps * r["batch"]) if steps else None
 
 
-HEADER = ["setup", "k", "L", "hit", "batch", "tok/s", "speedup", "ideal", "tau", "tok/verif.", "TTFT p50 ms",
-          "ITL p50 / p99 ms", "step: verify / draft / transport / host ms", "GPU busy",
+HEADER = ["setup", "k", "L", "hit", "batch", "load", "tok/s", "speedup", "ideal", "tau", "tok/verif.",
+          "TTFT p50 ms", "ITL p50 / p99 ms", "step: verify / draft / transport / host ms", "GPU busy",
           "bytes/step sent / recv"]
 
 

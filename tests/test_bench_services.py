@@ -56,18 +56,29 @@ def test_the_harness_runs_the_setups_side_by_side_on_the_cpu(tmp_path):
             "tiny", "--lengths", "2", "--hit-rates", "1.0", "--setups",
             "target_only,two_gpus,two_gpus_socket,colocated,colocated_two_gpus",
             "--synthetic-verifier-args", "--draft-timeout 30 --table-wait-ms 30000",
-            "--batch-sizes", "2",
-            "--temperatures", "0", "--sweep-ks", "", "--max-tokens", "12", "--repeats", "1",
+            "--batch-sizes", "2", "--loads", "batch,sustained", "--chunk-times",
+            "--temperatures", "0", "--sweep-ks", "", "--max-tokens", "12", "--repeats", "2",
             "--drafter-device", "cpu", "--verifier-device", "cpu", "--out-dir", str(tmp_path), "--tag", "t"]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     report = json.loads((tmp_path / "services_tiny_synthetic_t.json").read_text())
     assert report["command"] and report["commit"] and report["machine"]["cpus"] and report["date"]
-    rows = {r["setup"]: r for r in report["results"]}
+    sustained = {r["setup"]: r for r in report["results"] if r["load"] == "sustained"}
+    rows = {r["setup"]: r for r in report["results"] if r["load"] == "batch"}
     assert rows["target_only"]["speedup"] == 1.0 and rows["target_only"]["batch"] == 2
-    assert rows["two_gpus_socket"]["tokens"] == 24 and rows["two_gpus_socket"]["cache"]["hit"] > 0
+    assert rows["two_gpus_socket"]["tokens"] == 48 and rows["two_gpus_socket"]["cache"]["hit"] > 0
+    # Two lanes of two requests each: the same prompts, so the same greedy output as the static batches.
+    assert sustained.keys() == rows.keys() and sustained["target_only"]["speedup"] == 1.0
+    assert all(r["requests"] == 4 and r["tokens"] == 48 and r["batch"] == 2 for r in sustained.values())
+    assert sustained["two_gpus"]["speedup"] > 0
+    chunks = [json.loads(line) for line in (tmp_path / "chunks_t.jsonl").read_text().splitlines()]
+    assert len(chunks) == 2 * len(rows)  # a line per point, its requests' chunk times
+    lanes = next(c for c in chunks if c["setup"] == "target_only" and c["load"] == "sustained")["requests"]
+    assert len(lanes) == 4 and all(len(r["arrivals"]) >= 1 for r in lanes)
+    # A lane sends its second request after its first has ended.
+    assert lanes[2]["sent"] >= lanes[0]["sent"] + lanes[0]["arrivals"][-1]
     spec = rows["two_gpus"]
-    assert spec["tokens"] == 24 and spec["k"] == 4 and spec["forced_acceptance_length"] == 2.0
+    assert spec["tokens"] == 48 and spec["k"] == 4 and spec["forced_acceptance_length"] == 2.0
     assert spec["forced_hit_rate"] == 1.0 and spec["cache"]["hit"] > 0
     assert spec["speedup"] > 0 and spec["ideal_speedup"] > 0 and spec["mean_acceptance_length"] > 1
     assert 0 < spec["tokens_per_verification"] <= spec["k"] + 1  # a verification gains at most k + 1 tokens
@@ -75,7 +86,7 @@ def test_the_harness_runs_the_setups_side_by_side_on_the_cpu(tmp_path):
     assert spec["wire_bytes_per_step"]["sent"] > 0 and spec["ttft_ms"]["p50"] > 0
     assert report["skipped"] == []
     for setup in ("colocated", "colocated_two_gpus"):  # the drafter in the verifier's process, serving tables
-        assert rows[setup]["tokens"] == 24 and rows[setup]["cache"]["hit"] > 0
+        assert rows[setup]["tokens"] == 48 and rows[setup]["cache"]["hit"] > 0
 
 
 @pytest.mark.parametrize("mode", [[], ["--bare-grpc"], ["--step-socket"]])
