@@ -25,7 +25,7 @@ from specwire.drafter.eagle_head import EagleHead
 from specwire.kernels.rejection_sampler import DraftProbs
 
 from specwire import round_trace
-from specwire.engine import capture, on_own_device
+from specwire.engine import capture, on_own_device, warm_up_widths
 from specwire.model import KVCache
 from specwire.staging import StagedInputs, upload
 from specwire.wire import as_numpy
@@ -152,6 +152,7 @@ class EagleProposer:
         self.graph_sizes = graph_batch_sizes(max_requests) if cuda_graphs and dev.type == "cuda" else []
         if self.graph_sizes:
             self._capture()
+            self._warm_up_prefill()
 
     # ------------------------------------------------------------------------------------ requests
 
@@ -423,6 +424,17 @@ class EagleProposer:
                     loop(size)
                 pool = graph.pool()
                 self.graphs[size, name] = graph
+        torch.cuda.synchronize()
+
+    @on_own_device
+    def _warm_up_prefill(self) -> None:
+        """Compiles the eager head forward of new prompts (_prefill_overflow) at every width class now, on the
+        trash slot, so that no request waits on Triton mid-serving (engine.warm_up_widths)."""
+        one, F = torch.ones(1, dtype=torch.int32, device=self.device), self.head.config.feature_dim
+        for n in warm_up_widths(self.max_context):
+            self.head(torch.zeros(1, n, dtype=torch.int64, device=self.device),
+                      torch.zeros(1, n, F, dtype=self.head.dtype, device=self.device),
+                      0 * one, n * one, self.cache.trash_slot * one, self.cache.k[0], self.cache.v[0])
         torch.cuda.synchronize()
 
     # ------------------------------------------------------------------------------------ branch tables

@@ -16,7 +16,9 @@ import triton.language as tl
 _MASKED = tl.constexpr(-1.0e30)  # finite, so a fully masked (padded) query row never produces NaN
 
 
-@triton.jit
+# T (tokens a row feeds) is not specialised: Triton would compile another variant the first time a prefill's
+# T is a multiple of 16: a ~1 s stall of every stream mid-serving (seen on H200s: bench/results/session16).
+@triton.jit(do_not_specialize=["T"])
 def _attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, slots_ptr, start_pos_ptr, num_tokens_ptr,
     qk_scale, T, capacity,

@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])  # as attention_triton's kernel: one variant for every prefill width
 def _rope_write_kv_kernel(
     q_ptr, k_ptr, v_ptr, q_out_ptr, k_out_ptr, k_cache_ptr, v_cache_ptr,
     positions_ptr, cos_sin_ptr, slots_ptr, start_pos_ptr, num_tokens_ptr,

@@ -105,6 +105,13 @@ class GenerationResult:
     stats: dict[str, float] = field(default_factory=dict)  # tokens, seconds, tokens_per_s
 
 
+def warm_up_widths(max_context: int) -> list[int]:
+    """Eager prefill widths that compile every kernel variant a prompt can pick (attention's tile size follows
+    the width up to 128 tokens; the width itself is not specialised), run once at start-up so that no request
+    waits on Triton mid-serving: 1, 2, 4, ..., 128 tokens, within the context."""
+    return [n for n in (2**i for i in range(8)) if n <= max_context]
+
+
 def capture_sizes(max_batch: int) -> list[int]:
     """Batch sizes with a decode graph: powers of two below max_batch, then max_batch itself."""
     sizes, size = [], 1
@@ -244,6 +251,8 @@ class TargetEngine:
                 graphs = StepGraphs(self.model, self.cache, self.aux_layers, max_slots, width, pool)
                 self.graphs.append(graphs)
                 pool = graphs.pool
+            for n in warm_up_widths(max_context):  # into slot 0: free, and a prefill rewrites it from 0
+                self.prefill([(0, [0] * n)])
 
     # ------------------------------------------------------------------------------------------ slots
 
