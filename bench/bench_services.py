@@ -137,7 +137,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="batch (all of a batch sent at once, --repeats times) and/or sustained (batch "
                         "requests in flight at a time; batch sizes > 1)")
     p.add_argument("--chunk-times", action="store_true",
-                   help="write every request's chunk arrival times to chunks_TAG.jsonl (where ITL goes)")
+                   help="write every request's chunk arrival times and sizes to chunks_TAG.jsonl (where ITL "
+                        "goes)")
     p.add_argument("--max-context", type=int, default=1024, help="services' KV positions per request")
     p.add_argument("--drafter-device", default=None)
     p.add_argument("--verifier-device", default=None)
@@ -244,8 +245,10 @@ def measure(client: Client, port: int, metric_ports: dict[str, int | None], gpus
                              "round_ms": round_split(delta, wall), "cache": cache_hit_rate(delta),
                              "wire_bytes_per_step": wire_bytes_per_step(delta), "gpu_busy": busy.result(),
                              "_outputs": [t.token_ids for t in timings],
-                             "_chunks": [{"sent": t.sent_at - start, "arrivals": t.arrivals}
-                                         for t in timings],
+                             "stream_outputs_joined": delta.get(
+                                 "verifier", "specwire_stream_outputs_joined_total"),
+                             "_chunks": [{"sent": t.sent_at - start, "arrivals": t.arrivals,
+                                          "tokens": t.chunk_tokens} for t in timings],
                              "_step_seconds": delta.get("verifier", "specwire_verify_step_seconds_sum")})
     return rows
 

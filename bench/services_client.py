@@ -35,6 +35,7 @@ class RequestTiming:
     accepted: int = 0
     sent_at: float = 0.0  # time.perf_counter() when sent (CLOCK_MONOTONIC: comparable across processes)
     arrivals: list[float] = field(default_factory=list)  # seconds after sent_at of each chunk
+    chunk_tokens: list[int] = field(default_factory=list)  # tokens each chunk carried
 
     @property
     def tpot(self) -> float | None:
@@ -87,6 +88,7 @@ def generate(port: int, prompt: str, max_tokens: int, temperature: float, seed: 
                 timing.ttft = now - started
             timing.token_ids += response.chunk.token_ids
             timing.arrivals.append(now - started)
+            timing.chunk_tokens.append(len(response.chunk.token_ids))
             last = now
         elif kind == "complete":
             timing.drafts = response.complete.usage.drafts

@@ -74,7 +74,8 @@ def test_the_harness_runs_the_setups_side_by_side_on_the_cpu(tmp_path):
     chunks = [json.loads(line) for line in (tmp_path / "chunks_t.jsonl").read_text().splitlines()]
     assert len(chunks) == 2 * len(rows)  # a line per point, its requests' chunk times
     lanes = next(c for c in chunks if c["setup"] == "target_only" and c["load"] == "sustained")["requests"]
-    assert len(lanes) == 4 and all(len(r["arrivals"]) >= 1 for r in lanes)
+    assert len(lanes) == 4 and all(len(r["arrivals"]) == len(r["tokens"]) >= 1 for r in lanes)
+    assert all(sum(r["tokens"]) == 12 for r in lanes)
     # A lane sends its second request after its first has ended.
     assert lanes[2]["sent"] >= lanes[0]["sent"] + lanes[0]["arrivals"][-1]
     spec = rows["two_gpus"]
