@@ -6,9 +6,13 @@ queue, then yields for POLL ms (the verification the loop polls for) before the 
 another process times every chunk. Reported: how long after its round each output reaches the client (lag),
 the gaps between chunks (the services benchmark's ITL) and the lag of each stream's last chunk, with the
 handler sending one chunk per output, or with --coalesce every output already waiting in one chunk (as
-verifier.server.with_waiting does).
+verifier.server.with_waiting does); --min-turns N makes each round yield at least N loop turns (as the
+scheduler's verification wait does, one per output streamed): grpc.aio's poller thread signals each completed
+write with a byte on a socket that the loop reads a byte a turn, so fewer turns than writes fill the socket
+and stall every stream.
 
     python bench/bench_stream_starvation.py [--busy-ms 2.0] [--poll-ms 0.8] [--streams 16] [--rounds 55]
+        [--coalesce] [--min-turns 16]
 """
 
 from __future__ import annotations
@@ -60,10 +64,11 @@ async def serve(port_out, args: argparse.Namespace) -> None:
             stamp = str(time.time()).encode()
             for q in queues:
                 q.put_nowait(stamp)
-            poll_end = time.perf_counter() + args.poll_ms / 1e3
+            poll_end, turns = time.perf_counter() + args.poll_ms / 1e3, 0
             await asyncio.sleep(0)
-            while time.perf_counter() < poll_end:
+            while time.perf_counter() < poll_end or turns < args.min_turns:
                 await asyncio.sleep(0)
+                turns += 1
         for q in queues:
             q.put_nowait(b"")
 
@@ -115,7 +120,8 @@ def measure(args: argparse.Namespace) -> dict:
         return 1e3 * values[min(len(values) - 1, int(p * len(values)))]
 
     return {
-        "coalesce": args.coalesce, "busy_ms": args.busy_ms, "poll_ms": args.poll_ms, "streams": args.streams,
+        "coalesce": args.coalesce, "min_turns": args.min_turns,
+        "busy_ms": args.busy_ms, "poll_ms": args.poll_ms, "streams": args.streams,
         "rounds": args.rounds, "chunks_per_stream": statistics.mean(len(c) for c in streams),
         "lag_ms": {"p50": pct(lags, 0.5), "p99": pct(lags, 0.99), "max": pct(lags, 1.0)},
         "gap_ms": {"p50": pct(gaps, 0.5), "p99": pct(gaps, 0.99)},
@@ -130,6 +136,7 @@ def main() -> None:
     p.add_argument("--streams", type=int, default=16)
     p.add_argument("--rounds", type=int, default=55)
     p.add_argument("--coalesce", action="store_true")
+    p.add_argument("--min-turns", type=int, default=0, help="loop turns a round yields at least")
     print(json.dumps(measure(p.parse_args())))
 
 

@@ -495,13 +495,20 @@ class Scheduler:
             launch = self._launch_verification(live, batch)
             with torch.cuda.device(self.engine.device):
                 self._verified.record()
-            self._finish_rounds()
+            streamed = self._finish_rounds()
             # Client streams and the drafter's answers are served while the GPU works: the loop polls the
             # device rather than block on it, as the co-located drafter's serial steps leave it no other idle
-            # time (blocking, co-located SmolLM2 at batch 16 measured ITL p99 134 ms; polling, 58 ms).
+            # time (blocking, co-located SmolLM2 at batch 16 measured ITL p99 134 ms; polling, 58 ms). And it
+            # turns at least once per output it streamed: grpc.aio's poller thread writes a byte to a socket
+            # per completed write and the loop reads one a turn, so with fewer turns than writes the bytes
+            # pile up until the socket is full, the poller blocks and every stream stalls until the loop
+            # idles (co-located SmolLM2 at batch 16: after ~20 chunks, the last ~90 tokens came in one;
+            # bench/bench_stream_starvation.py --min-turns shows it on a CPU).
+            turns = 0
             await asyncio.sleep(0)
-            while not self._verified.query():
+            while not self._verified.query() or turns < streamed:
                 await asyncio.sleep(0)
+                turns += 1
             return self._collect_verification(launch)
         loop = asyncio.get_running_loop()
         launched = loop.create_future()
@@ -666,14 +673,16 @@ class Scheduler:
         if entry is not None:
             r.next_branch, r.next_drafts = entry
 
-    def _finish_rounds(self) -> None:
-        """After verifications: streams their settled tokens, and counts drafts and acceptance."""
-        now = time.perf_counter()
+    def _finish_rounds(self) -> int:
+        """After verifications: streams their settled tokens, and counts drafts and acceptance. Returns the
+        number of outputs streamed."""
+        now, streamed = time.perf_counter(), 0
         while self._unfinished:
             live, num_drafts, tokens, settled = self._unfinished.popleft()
             for r, out in settled:
                 if r.finish_reason != "abort":  # aborted since it settled: the stream has ended already
                     self._stream(r, out, now)
+                    streamed += 1
             accepted = [len(t) - 1 for t in tokens]
             self.metrics.observe_verification(num_drafts, accepted)
             for r, drafted, taken in zip(live, num_drafts, accepted, strict=True):
@@ -682,6 +691,7 @@ class Scheduler:
                 r.drafts += drafted > 0
                 r.draft_tokens += drafted
                 r.accepted_tokens += taken
+        return streamed
 
     def _drafts_for(self, live: list[Request], result: dpb.DraftResult | None, wants: dict[str, Want]
                     ) -> BatchDrafts:
