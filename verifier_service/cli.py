@@ -63,6 +63,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with the speculation cache: try epochs of this many rounds of serial drafting "
                              "beside the tables and keep to whichever gives more tokens/s (serial wins where "
                              "tables come late; e.g. 32; default 0: tables always)")
+    parser.add_argument("--stream-interval", type=int, default=env("SPECWIRE_STREAM_INTERVAL", 1),
+                        metavar="TOKENS",
+                        help="tokens a stream's chunk gathers before it is sent; a request's first token and "
+                             "its last ones go at once (default 1; more: fewer writes a round, coarser "
+                             "inter-token latency)")
     parser.add_argument("--aux-layers", default=env("SPECWIRE_AUX_LAYERS", "eagle3"),
                         help="target layers whose input EAGLE-3 heads read: comma-separated, 'eagle3' "
                              "(2, L/2, L-3) or 'none' (default eagle3)")
@@ -128,6 +133,8 @@ async def serve(args: argparse.Namespace) -> None:
         raise ValueError(f"--cache-branches must be >= 0, got {args.cache_branches}")
     if args.drafting_epoch < 0:
         raise ValueError(f"--drafting-epoch must be >= 0, got {args.drafting_epoch}")
+    if args.stream_interval < 1:
+        raise ValueError(f"--stream-interval must be >= 1, got {args.stream_interval}")
     if args.forced_hit_rate is not None and not 0 <= args.forced_hit_rate <= 1:
         raise ValueError(f"--forced-hit-rate must be in [0, 1], got {args.forced_hit_rate}")
     forced = None
@@ -149,7 +156,8 @@ async def serve(args: argparse.Namespace) -> None:
                                   table_wait=table_wait, just_in_time_wait=jit_wait,
                                   drafting_epoch=args.drafting_epoch,
                                   forced_acceptance=forced,
-                                  forced_hit_rate=args.forced_hit_rate),
+                                  forced_hit_rate=args.forced_hit_rate,
+                                  stream_interval=args.stream_interval),
     )
     server = VerifierServer(grpc_common.ServerOptions.from_args(args), settings, metrics)
 
