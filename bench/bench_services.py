@@ -17,7 +17,8 @@ target-only's), and reads:
 - from the client's stream (bench/services_client.py): tokens/s (all tokens / wall time of the batches),
   TTFT, inter-chunk latency and TPOT percentiles, mean acceptance length (from the requests' usage);
 - from the services' /metrics (bench/services_metrics.py): a verification step's time split (verify, draft,
-  transport, host), the speculation cache's hit rate when the verifier has one, drafter-link bytes per step;
+  transport, host), the prefill steps (how many, ms each, share of the wall time), the speculation cache's
+  hit rate when the verifier has one, drafter-link bytes per step;
 - each GPU's busy share (bench/gpu_busy.py).
 
 Per speculative point, against the target-only point of the same batch and temperature in the same run:
@@ -49,7 +50,14 @@ from pathlib import Path
 
 from gpu_busy import GpuBusy  # bench/ modules: scripts run as `python bench/<name>.py`
 from services_client import Client, read_prompts, summarize
-from services_metrics import Delta, cache_hit_rate, round_split, scrape, wire_bytes_per_step
+from services_metrics import (
+    Delta,
+    cache_hit_rate,
+    prefill_split,
+    round_split,
+    scrape,
+    wire_bytes_per_step,
+)
 from services_setups import (
     COLOCATED,
     SETUPS,
@@ -242,7 +250,8 @@ def measure(client: Client, port: int, metric_ports: dict[str, int | None], gpus
                 start = min(t.sent_at for t in timings)
                 rows.append({"batch": batch, "temperature": temperature, "load": load,
                              **summarize(wall, timings),
-                             "round_ms": round_split(delta, wall), "cache": cache_hit_rate(delta),
+                             "round_ms": round_split(delta, wall), "prefill": prefill_split(delta, wall),
+                             "cache": cache_hit_rate(delta),
                              "wire_bytes_per_step": wire_bytes_per_step(delta), "gpu_busy": busy.result(),
                              "_outputs": [t.token_ids for t in timings],
                              "stream_outputs_joined": delta.get(

@@ -71,6 +71,14 @@ def round_split(delta: Delta, wall: float) -> dict[str, float | None]:
     return out
 
 
+def prefill_split(delta: Delta, wall: float) -> dict[str, float | None]:
+    """The verifier's prefill steps: how many, ms each (engine thread) and their share of the wall time."""
+    steps = delta.get("verifier", "specwire_prefill_step_seconds_count")
+    total = delta.get("verifier", "specwire_prefill_step_seconds_sum")
+    share = total / wall if total is not None and wall > 0 else None
+    return {"steps": steps, "ms": delta.mean_ms("verifier", "specwire_prefill_step_seconds"), "share": share}
+
+
 def cache_hit_rate(delta: Delta) -> dict[str, float | None] | None:
     """Speculation-cache lookups by result and the hit share of those with a table to look in (unasked: none
     was asked for), what the drafts made just in time for requests without table drafts came to, and the

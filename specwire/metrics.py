@@ -168,6 +168,12 @@ class VerifierMetrics(_ServiceMetrics):
             "verify_step_seconds", "Engine-thread time of one verification (forward, sampling, readback).",
             STEP_BUCKETS,
         )
+        self.prefill_step_time = h(
+            "prefill_step_seconds",
+            "Engine-thread time of one prefill step (forward, sampling, the features' hand-off); its count "
+            "is the prefill steps, one per admission of waiting requests.",
+            STEP_BUCKETS,
+        )
         self.fallback_steps = c(
             "fallback_steps", "Steps decoded without drafts because of a drafter fault.", ["reason"]
         )

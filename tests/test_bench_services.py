@@ -13,7 +13,13 @@ BENCH = Path(__file__).resolve().parent.parent / "bench"
 sys.path.insert(0, str(BENCH))
 
 from services_client import percentiles_ms  # noqa: E402  (bench/ is not a package)
-from services_metrics import Delta, cache_hit_rate, round_split, wire_bytes_per_step  # noqa: E402
+from services_metrics import (  # noqa: E402
+    Delta,
+    cache_hit_rate,
+    prefill_split,
+    round_split,
+    wire_bytes_per_step,
+)
 
 VERIFY, TRIP = "specwire_verify_step_seconds", "specwire_drafter_rpc_latency_seconds"
 
@@ -45,6 +51,11 @@ def test_round_split_cache_and_bytes_from_two_scrapes():
     assert cache == pytest.approx({"hit": 75, "miss": 25, "late": None, "unasked": None, "hit_rate": 0.75})
     assert cache_hit_rate(Delta(before, before)) is None
     assert wire_bytes_per_step(delta) == {"sent": 50.0, "received": None}
+    assert prefill_split(delta, wall=0.5) == {"steps": None, "ms": None, "share": None}  # no prefill metric
+    prefill = "specwire_prefill_step_seconds"
+    after["verifier"] |= {f"{prefill}_count": 4.0, f"{prefill}_sum": 0.02}
+    got = prefill_split(Delta(before, after), wall=0.5)
+    assert got == pytest.approx({"steps": 4, "ms": 5.0, "share": 0.04})
 
 
 def test_the_harness_runs_the_setups_side_by_side_on_the_cpu(tmp_path):
@@ -78,6 +89,9 @@ def test_the_harness_runs_the_setups_side_by_side_on_the_cpu(tmp_path):
     assert all(sum(r["tokens"]) == 12 for r in lanes)
     # A lane sends its second request after its first has ended.
     assert lanes[2]["sent"] >= lanes[0]["sent"] + lanes[0]["arrivals"][-1]
+    # One prefill step a request at most (a static batch's arrivals may share one), each timed.
+    assert all(1 <= r["prefill"]["steps"] <= r["requests"] and r["prefill"]["ms"] > 0
+               for r in report["results"])
     spec = rows["two_gpus"]
     assert spec["tokens"] == 48 and spec["k"] == 4 and spec["forced_acceptance_length"] == 2.0
     assert spec["forced_hit_rate"] == 1.0 and spec["cache"]["hit"] > 0

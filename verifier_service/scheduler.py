@@ -782,6 +782,12 @@ class Scheduler:
 
     @torch.inference_mode()
     def _prefill_on_worker(self, admitted: list[Request]) -> _Step:
+        started = time.perf_counter()
+        step = self._prefill_step(admitted)
+        self.metrics.prefill_step_time.observe(time.perf_counter() - started)
+        return step
+
+    def _prefill_step(self, admitted: list[Request]) -> _Step:
         out = self.engine.prefill([(r.slot, r.prompt) for r in admitted])
         self.metrics.forward_steps_by_mode["eager"].inc()
         none = BatchDrafts([[] for _ in admitted], None)
