@@ -68,6 +68,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="tokens a stream's chunk gathers before it is sent; a request's first token and "
                              "its last ones go at once (default 1; more: fewer writes a round, coarser "
                              "inter-token latency)")
+    parser.add_argument("--admit-wait-ms", type=float, default=env("SPECWIRE_ADMIT_WAIT_MS", 0.0),
+                        help="while requests decode, how long a new request may wait for more to share its "
+                             "prefill step (default 0: prefilled at once; never once the waiting fill the "
+                             "free slots)")
     parser.add_argument("--aux-layers", default=env("SPECWIRE_AUX_LAYERS", "eagle3"),
                         help="target layers whose input EAGLE-3 heads read: comma-separated, 'eagle3' "
                              "(2, L/2, L-3) or 'none' (default eagle3)")
@@ -135,6 +139,8 @@ async def serve(args: argparse.Namespace) -> None:
         raise ValueError(f"--drafting-epoch must be >= 0, got {args.drafting_epoch}")
     if args.stream_interval < 1:
         raise ValueError(f"--stream-interval must be >= 1, got {args.stream_interval}")
+    if not 0 <= args.admit_wait_ms <= 10_000:
+        raise ValueError(f"--admit-wait-ms must be in [0, 10000], got {args.admit_wait_ms}")
     if args.forced_hit_rate is not None and not 0 <= args.forced_hit_rate <= 1:
         raise ValueError(f"--forced-hit-rate must be in [0, 1], got {args.forced_hit_rate}")
     forced = None
@@ -157,7 +163,8 @@ async def serve(args: argparse.Namespace) -> None:
                                   drafting_epoch=args.drafting_epoch,
                                   forced_acceptance=forced,
                                   forced_hit_rate=args.forced_hit_rate,
-                                  stream_interval=args.stream_interval),
+                                  stream_interval=args.stream_interval,
+                                  admit_wait=args.admit_wait_ms / 1e3),
     )
     server = VerifierServer(grpc_common.ServerOptions.from_args(args), settings, metrics)
 

@@ -202,6 +202,11 @@ class SchedulerConfig:
     # once). 1: every round's tokens. More: fewer writes a round, which a co-located verifier's loop makes
     # between verifications (about 33 us each on the H200 host), for a coarser inter-token latency.
     stream_interval: int = 1
+    # Seconds a waiting request may wait, while others decode, for more arrivals to share its prefill step
+    # (TGI's max_waiting_tokens, in time): a prefill step costs about the same for one prompt or a few (an
+    # eager forward), and under steady load with speculation requests end, so new ones arrive, one at a
+    # time. 0: prefilled at once. Never waits when nothing decodes or when the waiting fill the free slots.
+    admit_wait: float = 0.0
 
 
 class _Readback:
@@ -279,6 +284,7 @@ class Scheduler:
         self._chains_asked: set[str] = set()
         self._drafting = DraftingMode(config.drafting_epoch) if config.drafting_epoch > 0 else None
         self._unfinished: deque[tuple] = deque()  # verified rounds whose tokens are not streamed yet
+        self._admit_at = 0.0  # when the waiting requests are due for prefill (config.admit_wait)
         self._forcing = random.Random(0)  # forced_hit_rate's draws
         self._feature_columns: np.ndarray | slice | None = None
         self._feature_dtype = torch.float32
@@ -328,6 +334,8 @@ class Scheduler:
         eos = frozenset() if params.ignore_eos else frozenset(self.tokenizer.eos_token_ids)
         request = Request(request_id, list(prompt), params, seed, eos, detokenizer, tokens=list(prompt))
         self.requests[request_id] = request
+        if not self.waiting:
+            self._admit_at = time.perf_counter() + self.config.admit_wait
         self.waiting.append(request)
         self._wake.set()
         return request
@@ -374,7 +382,7 @@ class Scheduler:
                     self._send_step([], "serial")
                 await self._wake.wait()
                 continue
-            if self.waiting and self.engine.num_free_slots:
+            if self.waiting and self.engine.num_free_slots and self._admit_due():
                 self._finish_rounds()
                 await self._guarded(self._prefill, self._admit())
             if self.running:
@@ -390,6 +398,12 @@ class Scheduler:
                 if r.live:
                     r.finish_reason = "error"
                     r.outputs.put_nowait(Output([], "", "error", f"internal error: {type(e).__name__}: {e}"))
+
+    def _admit_due(self) -> bool:
+        """Whether the waiting requests are prefilled now (config.admit_wait). Read by the worker too: the
+        attributes are written whole, under the GIL."""
+        return (not self.running or len(self.waiting) >= self.engine.num_free_slots
+                or time.perf_counter() >= self._admit_at)
 
     def _admit(self) -> list[Request]:
         admitted, budget = [], self.engine.max_prefill_tokens
@@ -561,6 +575,8 @@ class Scheduler:
             self._settle_round(live, none.num_drafts, self._verify_on_worker(live, none, on_launch))
             # What this thread reads of the loop's state (flags, lists) is written whole, under the GIL.
             if self._wake.is_set() or self.speculating or not all(r.live for r in live):
+                return
+            if self.waiting and self.engine.num_free_slots and self._admit_due():  # an admit_wait ran out
                 return
 
     def _count_if_down(self) -> None:
