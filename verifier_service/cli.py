@@ -44,8 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="max_tokens of requests that leave it unset (default 128)")
     parser.add_argument("--draft-timeout", type=float, default=env("SPECWIRE_DRAFT_TIMEOUT", 1.0),
                         help="seconds a step waits for its drafts before verifying without them (default 1)")
-    parser.add_argument("--draft-top-k", type=int, default=env("SPECWIRE_DRAFT_TOP_K", 16),
-                        help="sampled requests draft from the head's top-K, shipped sparse (default 16)")
+    parser.add_argument("--draft-top-k", type=int, default=env("SPECWIRE_DRAFT_TOP_K", 64),
+                        help="sampled requests draft from the head's top-K, shipped sparse (default 64, the "
+                             "drafter's --max-top-k)")
     parser.add_argument("--cache-branches", type=int, default=env("SPECWIRE_CACHE_BRANCHES", 8),
                         help="speculation cache: table entries per request the drafter drafts while a "
                              "verification runs (default 8; 0 = wait for drafts each round)")

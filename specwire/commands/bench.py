@@ -32,8 +32,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--draft-top-k",
         type=int,
-        default=32,
-        help="sampled drafts come from the top-K of the draft distribution (0 = all; default 32)",
+        default=64,
+        help="sampled drafts come from the top-K of the draft distribution (0 = all; default 64, as the "
+        "verifier's)",
     )
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--limit", type=int, default=0, help="use the first N prompts (0 = all)")
@@ -202,7 +203,7 @@ async def speculate(
     min_confidence: float = 0.0,
     table_wait: float | None = None,
     just_in_time_wait: float | None = None,
-    draft_top_k: int = 32,
+    draft_top_k: int = 64,
     cuda_graphs: bool = True,
 ) -> LocalRun:
     """Runs every prompt through a Scheduler whose drafter is co-located; all are queued at once and the
