@@ -242,10 +242,11 @@ def measure(client: Client, port: int, metric_ports: dict[str, int | None], gpus
                     if load == "sustained":
                         wall, timings = client.run_sustained(port, chosen, batch, args.max_tokens,
                                                              temperature)
-                    for r in range(args.repeats if load == "batch" else 0):
-                        seconds, got = client.run_batch(port, chosen[r * batch:(r + 1) * batch],
-                                                        args.max_tokens, temperature)
-                        wall, timings = wall + seconds, timings + got
+                    else:
+                        for r in range(args.repeats):
+                            seconds, got = client.run_batch(port, chosen[r * batch:(r + 1) * batch],
+                                                            args.max_tokens, temperature)
+                            wall, timings = wall + seconds, timings + got
                 delta = Delta(before, {name: scrape(p) for name, p in metric_ports.items()})
                 start = min(t.sent_at for t in timings)
                 rows.append({"batch": batch, "temperature": temperature, "load": load,

@@ -4,26 +4,25 @@ with 0 (the default) every arrival is prefilled at once. Target-only rounds on t
 stop for a wait that ran out."""
 
 import asyncio
-import functools
 import time
 
 import pytest
 import torch
-from specwire.drafter.eagle_head import random_eagle_head
-from specwire.drafter.proposer import EagleProposer
-from specwire.drafter.server import DrafterService
-from specwire.verifier.drafter_link import LocalDrafterLink
 from specwire.verifier.scheduler import Request, Scheduler, SchedulerConfig
 from test_services_e2e import MAX_CONTEXT, tiny_target
 
+from specwire.colocated import colocated_link
+from specwire.config import default_aux_layers
 from specwire.default_model import default_model_path
 from specwire.engine import TargetEngine
-from specwire.metrics import DrafterMetrics, VerifierMetrics
+from specwire.metrics import VerifierMetrics
 from specwire.sampling_params import SamplingParams
+from specwire.synthetic import RANDOM_HEAD
 from specwire.tokenizer import load_tokenizer
 
 LONG = SamplingParams(temperature=0.0, max_tokens=MAX_CONTEXT - 20, ignore_eos=True)
 SHORT = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+TOKENIZER = load_tokenizer(default_model_path())
 
 
 async def finish(r: Request) -> None:
@@ -31,29 +30,21 @@ async def finish(r: Request) -> None:
         pass
 
 
-def colocated_drafter(config, head) -> LocalDrafterLink:
-    """The head in this process (its drafts are forced accepted below: rounds of several tokens)."""
-    proposer = EagleProposer(head, max_requests=3, max_context=MAX_CONTEXT, max_drafts=3, max_top_k=8)
-    service = DrafterService(DrafterMetrics())
-    service.load(proposer, config, load_tokenizer(default_model_path()).fingerprint, "eagle3:random")
-    return LocalDrafterLink(functools.partial(service.run_step, 0, set()), service.info, service.mismatch,
-                            VerifierMetrics(), proposer.device, step_timeout=5.0)
-
-
 async def serve(admit_wait: float, arrivals: list[float], speculative: bool = False
                 ) -> tuple[list[Request], float]:
     """One long request decoding, then short ones submitted `arrivals` seconds after its first token; three
     slots; target-only, or with a co-located drafter. Returns the requests and the prefill steps taken."""
     config, sd = tiny_target()
-    head = random_eagle_head(config, sd, torch.float32, "cpu", MAX_CONTEXT) if speculative else None
+    aux = default_aux_layers(config.num_layers) if speculative else ()  # what the random EAGLE-3 head reads
     engine = TargetEngine(checkpoint=(config, sd), device="cpu", dtype=torch.float32, max_slots=3,
-                          max_context=MAX_CONTEXT, aux_layers=head.config.aux_layers if head else (),
-                          max_verify_tokens=4)
-    link = colocated_drafter(config, head) if head else None
+                          max_context=MAX_CONTEXT, aux_layers=aux, max_verify_tokens=4)
     metrics = VerifierMetrics()
+    # A random EAGLE-3 head in this process; its drafts are forced accepted below (rounds of several tokens).
+    link = colocated_link(engine, TOKENIZER, metrics, head=RANDOM_HEAD, device="cpu", k=3, max_branches=0,
+                          cuda_graphs=False, step_timeout=5.0) if speculative else None
     speculation = {"num_speculative_tokens": 3, "cache_branches": 0, "forced_acceptance": (0.9, 0.8, 0.7)} \
         if speculative else {"num_speculative_tokens": 0}
-    scheduler = Scheduler(engine, load_tokenizer(default_model_path()), metrics,
+    scheduler = Scheduler(engine, TOKENIZER, metrics,
                           SchedulerConfig(admit_wait=admit_wait, **speculation), link)
     scheduler.start()
     try:

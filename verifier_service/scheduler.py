@@ -385,7 +385,7 @@ class Scheduler:
                     self._send_step([], "serial")
                 await self._wake.wait()
                 continue
-            if self.waiting and self.engine.num_free_slots and self._admit_due():
+            if self._admit_due():
                 self._finish_rounds()
                 await self._guarded(self._prefill, self._admit())
             if self.running:
@@ -403,10 +403,12 @@ class Scheduler:
                     r.outputs.put_nowait(Output([], "", "error", f"internal error: {type(e).__name__}: {e}"))
 
     def _admit_due(self) -> bool:
-        """Whether the waiting requests are prefilled now (config.admit_wait). Read by the worker too: the
-        attributes are written whole, under the GIL."""
-        return (not self.running or len(self.waiting) >= self.engine.num_free_slots
-                or time.perf_counter() >= self._admit_at)
+        """Whether waiting requests are prefilled now: a slot is free and (config.admit_wait) nothing decodes,
+        the waiting fill the free slots, or their wait ran out. Read by the worker too: the attributes are
+        written whole, under the GIL."""
+        free = self.engine.num_free_slots
+        return bool(self.waiting) and free > 0 and (
+            not self.running or len(self.waiting) >= free or time.perf_counter() >= self._admit_at)
 
     def _admit(self) -> list[Request]:
         admitted, budget = [], self.engine.max_prefill_tokens
@@ -579,7 +581,7 @@ class Scheduler:
             # What this thread reads of the loop's state (flags, lists) is written whole, under the GIL.
             if self._wake.is_set() or self.speculating or not all(r.live for r in live):
                 return
-            if self.waiting and self.engine.num_free_slots and self._admit_due():  # an admit_wait ran out
+            if self._admit_due():  # an admit_wait ran out
                 return
 
     def _count_if_down(self) -> None:
