@@ -5,7 +5,8 @@
 One row per point: setup, k, forced length, batch, load (a static batch or sustained concurrency), tokens/s,
 speedup over target-only and its ideal (tau * t_target / t_verify), mean acceptance length (rounds with
 drafts), tokens per verification (all rounds), TTFT p50, inter-chunk latency p50 / p99, a verification
-step's split (verify / draft / transport / host, ms), GPU busy shares and drafter-link bytes per step.
+step's split (verify / draft / transport / host, ms), the prefill steps (how many, ms each), GPU busy shares
+and drafter-link bytes per step.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ def row(r: dict) -> list[str]:
     busy = r.get("gpu_busy") or {}
     wire = r.get("wire_bytes_per_step") or {}
     itl = r.get("itl_ms") or {}
+    prefill = r.get("prefill") or {}
     return [
         r["setup"], fmt(r.get("k"), "d"), fmt(r.get("forced_acceptance_length"), "g"),
         str(r["forced_hit_rate"]) if r.get("forced_hit_rate") is not None else "—", fmt(r["batch"], "d"),
@@ -35,6 +37,7 @@ def row(r: dict) -> list[str]:
         fmt((r.get("ttft_ms") or {}).get("p50"), ".1f"),
         f"{fmt(itl.get('p50'), '.2f')} / {fmt(itl.get('p99'), '.2f')}",
         " / ".join(fmt(split.get(k), ".2f") for k in ("verify", "draft", "transport", "host")),
+        f"{fmt(prefill.get('steps'), '.0f')} x {fmt(prefill.get('ms'), '.1f')}",
         " / ".join(fmt(v, ".0f", "%") for k, v in sorted(busy.items()) if k.startswith("gpu")) or "—",
         f"{fmt(wire.get('sent'), ',.0f')} / {fmt(wire.get('received'), ',.0f')}",
     ]
@@ -51,7 +54,8 @@ def tokens_per_verification(r: dict) -> float | None:
 
 
 HEADER = ["setup", "k", "L", "hit", "batch", "load", "tok/s", "speedup", "ideal", "tau", "tok/verif.",
-          "TTFT p50 ms", "ITL p50 / p99 ms", "step: verify / draft / transport / host ms", "GPU busy",
+          "TTFT p50 ms", "ITL p50 / p99 ms", "step: verify / draft / transport / host ms",
+          "prefill steps x ms", "GPU busy",
           "bytes/step sent / recv"]
 
 
