@@ -11,6 +11,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from specwire.config import ModelConfig
@@ -121,6 +122,43 @@ def capture_sizes(max_batch: int) -> list[int]:
     return [*sizes, max_batch]
 
 
+# Tokens a row of the prefill graph feeds: prompts are cut into rows this wide (PrefillRows), so that any mix
+# of prompts fits a few captured grids. At 64 a prompt pads fewer than 64 tokens.
+PREFILL_ROW = 64
+
+
+@dataclass(frozen=True)
+class PrefillRows:
+    """Prompts cut into rows of `width` tokens, each feeding its slot from its own start position. The rows of
+    one prompt in one forward are its causal prefill: every layer writes all rows' keys and values into the
+    cache before any row attends (model.Attention), and a row attends to its slot's positions before its
+    last. So one captured grid of rows x width serves any mix of prompts."""
+
+    slots: list[int]
+    starts: list[int]
+    counts: list[int]  # tokens a row feeds (its first counts[r] cells)
+    tokens: np.ndarray  # [rows, width] int64, zero past each row's count
+    last_rows: list[int]  # per prompt: the row holding its last token
+    cells: list[int]  # per prompt token, prompts in order: its cell, row * width + column
+
+
+def prefill_rows(requests: Sequence[tuple[int, Sequence[int]]], width: int) -> PrefillRows:
+    slots, starts, counts, last_rows, cells, pieces = [], [], [], [], [], []
+    for slot, ids in requests:
+        for start in range(0, len(ids), width):
+            row, piece = len(slots), ids[start:start + width]
+            slots.append(slot)
+            starts.append(start)
+            counts.append(len(piece))
+            pieces.append(piece)
+            cells.extend(range(row * width, row * width + len(piece)))
+        last_rows.append(len(slots) - 1)
+    tokens = np.zeros((len(slots), width), dtype=np.int64)
+    for row, piece in enumerate(pieces):
+        tokens[row, :len(piece)] = piece
+    return PrefillRows(slots, starts, counts, tokens, last_rows, cells)
+
+
 class StepGraphs:
     """CUDA graphs of a step feeding up to `width` tokens per row (1: decode; 1 + k: verify), one per batch
     size, sharing static input buffers and a memory pool.
@@ -132,23 +170,28 @@ class StepGraphs:
 
     def __init__(
         self, model: LlamaModel, cache: KVCache, aux_layers: tuple[int, ...], max_batch: int, width: int,
-        pool=None,
+        pool=None, last_logits: bool = False,
     ):
-        self.sizes, self.width = capture_sizes(max_batch), width
+        """last_logits: logits only at each row's last fed token ([size, V]; prefill), not at every cell."""
+        self.sizes, self.width, self.last_logits = capture_sizes(max_batch), width, last_logits
         self.trash = cache.trash_slot
         device, n = model.device, self.sizes[-1]
         # A step's inputs are written on the host and go over in one non-blocking copy.
-        self._inputs = StagedInputs({"input_ids": ((n, width), torch.int64), "start_pos": ((n,), torch.int32),
-                                     "num_tokens": ((n,), torch.int32), "slots": ((n,), torch.int32)}, device)
-        self.input_ids, self.start_pos, self.num_tokens, self.slots = self._inputs.tensors.values()
+        fields = {"input_ids": ((n, width), torch.int64), "start_pos": ((n,), torch.int32),
+                  "num_tokens": ((n,), torch.int32), "slots": ((n,), torch.int32)}
+        if last_logits:
+            fields["logits_index"] = ((n,), torch.int64)
+        self._inputs = StagedInputs(fields, device)
+        self.input_ids, self.start_pos, self.num_tokens, self.slots = list(self._inputs.tensors.values())[:4]
         self.slots.fill_(self.trash)
         self._inputs.host["slots"][:] = self.trash
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, ModelOutput] = {}
 
         def step(size: int) -> ModelOutput:
+            index = self._inputs.tensors["logits_index"][:size] if last_logits else None
             return model(self.input_ids[:size], self.start_pos[:size], self.num_tokens[:size],
-                         self.slots[:size], cache, aux_layers=aux_layers)
+                         self.slots[:size], cache, logits_index=index, aux_layers=aux_layers)
 
         with device_scope(device):
             step(n)  # warm-up outside capture: compiles the Triton kernels; all rows are padding
@@ -174,13 +217,16 @@ class StepGraphs:
         b, w = tokens.shape
         size = next(s for s in self.sizes if s >= b)
         self._inputs.wait_free()
-        ids, start_pos, counts, slot_ids = self._inputs.host.values()
+        ids, start_pos, counts, slot_ids = list(self._inputs.host.values())[:4]
         ids[:b, :w] = tokens.cpu().numpy()
         ids[:b, w:] = 0
         start_pos[:b] = positions.cpu().numpy()
         counts[:b] = num_tokens.cpu().numpy()
         slot_ids[:b] = slots.cpu().numpy()
         ids[b:size], start_pos[b:size], counts[b:size], slot_ids[b:size] = 0, 0, 0, self.trash
+        if self.last_logits:  # pad rows (0 tokens) point at their first cell
+            index = self._inputs.host["logits_index"]
+            index[:size] = np.arange(size) * self.width + np.maximum(counts[:size] - 1, 0)
         self._inputs.send()
         return size
 
@@ -209,9 +255,14 @@ class TargetEngine:
         max_prefill_tokens: int = 8192,
         max_verify_tokens: int = 1,
         checkpoint: tuple[ModelConfig, dict[str, torch.Tensor]] | None = None,
+        prefill_graph_tokens: int = 2048,
     ):
         """max_context: cache positions per slot (default min(2048, max_position_embeddings)).
         max_verify_tokens: 1 + k, the widest verify row captured in CUDA graphs (1: decode graphs only).
+        prefill_graph_tokens: cells (rows of PREFILL_ROW tokens) of the largest prefill graph; a prefill
+        cut into more rows runs eagerly, as every prefill does at 0. An eager prefill of a small model is
+        hundreds of kernel launches from Python (SmolLM2 on the H200: 13-25 ms a step, for about 1 ms of GPU
+        work); a replay is one.
         model_path may name a synthetic model (`synthetic:NAME`, specwire.synthetic). checkpoint=(config,
         state_dict) uses those weights instead of loading model_path; such an engine has no tokenizer and
         offers the step API only."""
@@ -245,14 +296,20 @@ class TargetEngine:
         self.max_slots = max_slots
         self._free_slots = list(range(max_slots - 1, -1, -1))  # pop() hands out slot 0 first
         self.graphs: list[StepGraphs] = []  # narrowest first: a step replays the first that fits
+        self.prefill_graphs: StepGraphs | None = None
         if cuda_graphs and self.device.type == "cuda":
             pool = None
             for width in sorted({1, max_verify_tokens}):
                 graphs = StepGraphs(self.model, self.cache, self.aux_layers, max_slots, width, pool)
                 self.graphs.append(graphs)
                 pool = graphs.pool
-            for n in warm_up_widths(max_context):  # into slot 0: free, and a prefill rewrites it from 0
-                self.prefill([(0, [0] * n)])
+            if prefill_graph_tokens >= PREFILL_ROW:
+                self.prefill_graphs = StepGraphs(self.model, self.cache, self.aux_layers,
+                                                 prefill_graph_tokens // PREFILL_ROW, PREFILL_ROW, pool,
+                                                 last_logits=True)
+            with device_scope(self.device):  # into slot 0: free, and a prefill rewrites it from 0
+                for n in warm_up_widths(max_context):
+                    self._prefill_eager([(0, [0] * n)])
 
     # ------------------------------------------------------------------------------------------ slots
 
@@ -291,6 +348,29 @@ class TargetEngine:
             if not 0 <= slot < self.max_slots:
                 raise ValueError(f"slot {slot} out of range [0, {self.max_slots})")
             self.check_token_ids(ids)
+        if self.prefill_graph_fits(lengths):
+            return self._prefill_graph(prefill_rows(requests, PREFILL_ROW))
+        return self._prefill_eager(requests)
+
+    def prefill_graph_fits(self, lengths: Sequence[int]) -> bool:
+        """Whether prompts of these lengths are prefilled by a graph replay (else eagerly)."""
+        return self.prefill_graphs is not None and self.prefill_graphs.fits(
+            sum(-(-n // PREFILL_ROW) for n in lengths), PREFILL_ROW)
+
+    def _prefill_graph(self, rows: PrefillRows) -> StepOutput:
+        graphs = self.prefill_graphs
+        size = graphs.prepare(torch.tensor(rows.slots, dtype=torch.int32), torch.from_numpy(rows.tokens),
+                              torch.tensor(rows.counts, dtype=torch.int32),
+                              torch.tensor(rows.starts, dtype=torch.int32))
+        out = graphs.replay(size)
+        index = upload(torch.tensor(rows.last_rows + rows.cells), self.device)  # one copy for both picks
+        last, cells = index[:len(rows.last_rows)], index[len(rows.last_rows):]
+        hidden = out.hidden.flatten(0, 1).index_select(0, cells)
+        aux = out.aux_hidden.flatten(0, 1).index_select(0, cells) if out.aux_hidden is not None else None
+        return StepOutput(out.logits.index_select(0, last), hidden, aux)
+
+    def _prefill_eager(self, requests: Sequence[tuple[int, Sequence[int]]]) -> StepOutput:
+        lengths = [len(ids) for _, ids in requests]
         chunk = max(1, min(max(lengths), self.max_prefill_tokens // len(requests)))
         logits: list[torch.Tensor | None] = [None] * len(requests)
         hidden: list[list[torch.Tensor]] = [[] for _ in requests]

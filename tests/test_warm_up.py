@@ -18,8 +18,10 @@ def compiled_variants() -> int:
     return sum(len(cache[0]) for kernel in KERNELS for cache in kernel.device_caches.values())
 
 
-def test_engine_prefill_compiles_nothing_after_start_up():
-    engine = TargetEngine("synthetic:tiny", device="cuda", max_slots=4, max_context=512, max_verify_tokens=5)
+@pytest.mark.parametrize("prefill_graph_tokens", [0, 2048])  # every prefill eager; most by the graph
+def test_engine_prefill_compiles_nothing_after_start_up(prefill_graph_tokens):
+    engine = TargetEngine("synthetic:tiny", device="cuda", max_slots=4, max_context=512, max_verify_tokens=5,
+                          prefill_graph_tokens=prefill_graph_tokens)
     before = compiled_variants()
     assert before > 0
     for lengths in ([3], [16], [32, 5], [48, 17, 200], [333], [1], [64, 64, 64, 64]):
