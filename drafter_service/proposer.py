@@ -25,7 +25,15 @@ from specwire.drafter.eagle_head import EagleHead
 from specwire.kernels.rejection_sampler import DraftProbs
 
 from specwire import round_trace
-from specwire.engine import capture, on_own_device, warm_up_widths
+from specwire.engine import (
+    PREFILL_GRAPH_TOKENS,
+    PREFILL_ROW,
+    StepGraphs,
+    capture,
+    on_own_device,
+    prefill_rows,
+    warm_up_widths,
+)
 from specwire.model import KVCache
 from specwire.staging import StagedInputs, upload
 from specwire.wire import as_numpy
@@ -150,9 +158,11 @@ class EagleProposer:
 
         self.graphs: dict[tuple[int, str], torch.cuda.CUDAGraph] = {}
         self.graph_sizes = graph_batch_sizes(max_requests) if cuda_graphs and dev.type == "cuda" else []
+        self._prefill_graphs: StepGraphs | None = None
         if self.graph_sizes:
             self._capture()
             self._warm_up_prefill()
+            self._capture_prefill()
 
     # ------------------------------------------------------------------------------------ requests
 
@@ -287,11 +297,36 @@ class EagleProposer:
         return proposal
 
     def _prefill_overflow(self, requests: list[_Request]) -> None:
-        """Eagerly commit pending pairs beyond the graph's first-step width (new prompts), keeping one."""
+        """Commit pending pairs beyond the graph's first-step width (new prompts), keeping one: by the
+        prefill graph where they fit it, else eagerly."""
         rows = [r for r in requests if r.num_pending > self._T]
         if not rows:
             return
         counts = [r.num_pending - 1 for r in rows]
+        graphs = self._prefill_graphs
+        if graphs is not None and graphs.fits(sum(-(-n // PREFILL_ROW) for n in counts), PREFILL_ROW):
+            self._prefill_by_graph(rows, counts)
+        else:
+            self._prefill_eagerly(rows, counts)
+        for r, n in zip(rows, counts, strict=True):
+            rest = torch.cat(r.pending_features)[n:]
+            r.num_cached += n
+            r.pending_tokens, r.pending_features = r.pending_tokens[n:], [rest]
+
+    def _prefill_by_graph(self, rows: list[_Request], counts: list[int]) -> None:
+        grid = prefill_rows([(r.slot, r.pending_tokens[:n]) for r, n in zip(rows, counts, strict=True)],
+                            PREFILL_ROW, [r.num_cached for r in rows])
+        features = torch.cat([torch.cat(r.pending_features)[:n] for r, n in zip(rows, counts, strict=True)])
+        cells = upload(torch.tensor(grid.cells), self.device)
+        F = self.head.config.feature_dim
+        self._prefill_features.view(-1, F).index_copy_(0, cells, features.to(self.device, self.head.dtype))
+        graphs = self._prefill_graphs
+        size = graphs.prepare(torch.tensor(grid.slots, dtype=torch.int32), torch.from_numpy(grid.tokens),
+                              torch.tensor(grid.counts, dtype=torch.int32),
+                              torch.tensor(grid.starts, dtype=torch.int32))
+        graphs.replay(size)
+
+    def _prefill_eagerly(self, rows: list[_Request], counts: list[int]) -> None:
         width = max(counts)
         ids = torch.zeros(len(rows), width, dtype=torch.int64)
         home = rows[0].pending_features[0].device  # the host for features from the wire, else this device
@@ -313,10 +348,6 @@ class EagleProposer:
             self.cache.k[0],
             self.cache.v[0],
         )
-        for r, n in zip(rows, counts, strict=True):
-            rest = torch.cat(r.pending_features)[n:]
-            r.num_cached += n
-            r.pending_tokens, r.pending_features = r.pending_tokens[n:], [rest]
 
     def _load_batch(
         self, requests: list[_Request], ks: list[int], temperature: list[float], top_k: list[int], size: int
@@ -425,6 +456,19 @@ class EagleProposer:
                 pool = graph.pool()
                 self.graphs[size, name] = graph
         torch.cuda.synchronize()
+
+    @on_own_device
+    def _capture_prefill(self) -> None:
+        """The head's forward over new prompts cut into rows (engine.PrefillRows), as the target's prefill:
+        eager, it is tens of launches from Python for every new request, on the drafter's critical path."""
+        rows, F = PREFILL_GRAPH_TOKENS // PREFILL_ROW, self.head.config.feature_dim
+        self._prefill_features = torch.zeros(rows, PREFILL_ROW, F, dtype=self.head.dtype, device=self.device)
+
+        def forward(ids, start_pos, num_tokens, slots, logits_index) -> torch.Tensor:
+            return self.head(ids, self._prefill_features[:ids.shape[0]], start_pos, num_tokens, slots,
+                             self.cache.k[0], self.cache.v[0])
+
+        self._prefill_graphs = StepGraphs(forward, self.device, self.cache.trash_slot, rows, PREFILL_ROW)
 
     @on_own_device
     def _warm_up_prefill(self) -> None:

@@ -10,6 +10,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -125,6 +126,7 @@ def capture_sizes(max_batch: int) -> list[int]:
 # Tokens a row of the prefill graph feeds: prompts are cut into rows this wide (PrefillRows), so that any mix
 # of prompts fits a few captured grids. At 64 a prompt pads fewer than 64 tokens.
 PREFILL_ROW = 64
+PREFILL_GRAPH_TOKENS = 2048  # cells of the largest prefill graph: 32 rows
 
 
 @dataclass(frozen=True)
@@ -142,13 +144,15 @@ class PrefillRows:
     cells: list[int]  # per prompt token, prompts in order: its cell, row * width + column
 
 
-def prefill_rows(requests: Sequence[tuple[int, Sequence[int]]], width: int) -> PrefillRows:
+def prefill_rows(requests: Sequence[tuple[int, Sequence[int]]], width: int,
+                 first: Sequence[int] | None = None) -> PrefillRows:
+    """first[i]: the position request i's tokens start at (default 0: whole prompts)."""
     slots, starts, counts, last_rows, cells, pieces = [], [], [], [], [], []
-    for slot, ids in requests:
+    for i, (slot, ids) in enumerate(requests):
         for start in range(0, len(ids), width):
             row, piece = len(slots), ids[start:start + width]
             slots.append(slot)
-            starts.append(start)
+            starts.append(start + (first[i] if first else 0))
             counts.append(len(piece))
             pieces.append(piece)
             cells.extend(range(row * width, row * width + len(piece)))
@@ -159,23 +163,26 @@ def prefill_rows(requests: Sequence[tuple[int, Sequence[int]]], width: int) -> P
     return PrefillRows(slots, starts, counts, tokens, last_rows, cells)
 
 
+# forward(input_ids [B, T], start_pos [B], num_tokens [B], slots [B], logits_index [B] or None): a captured
+# step's body (the target model, or the drafter's head), over static buffers.
+StepForward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], Any]
+
+
 class StepGraphs:
-    """CUDA graphs of a step feeding up to `width` tokens per row (1: decode; 1 + k: verify), one per batch
-    size, sharing static input buffers and a memory pool.
+    """CUDA graphs of a step feeding up to `width` tokens per row (1: decode; 1 + k: verify; PREFILL_ROW:
+    prefill), one per batch size, sharing static input buffers and a memory pool.
 
     A batch is padded to the next captured size and each row to `width` tokens; pad rows feed 0 tokens at
     position 0 of the trash slot, rewritten before every replay so no stale metadata reaches the kernels.
-    Logits come out for every (row, token) of the grid; callers pick the live ones.
+    Logits come out for every (row, token) of the grid, or (last_logits) at each row's last fed token;
+    callers pick the live ones.
     """
 
-    def __init__(
-        self, model: LlamaModel, cache: KVCache, aux_layers: tuple[int, ...], max_batch: int, width: int,
-        pool=None, last_logits: bool = False,
-    ):
-        """last_logits: logits only at each row's last fed token ([size, V]; prefill), not at every cell."""
+    def __init__(self, forward: StepForward, device: torch.device, trash_slot: int, max_batch: int,
+                 width: int, pool=None, last_logits: bool = False):
         self.sizes, self.width, self.last_logits = capture_sizes(max_batch), width, last_logits
-        self.trash = cache.trash_slot
-        device, n = model.device, self.sizes[-1]
+        self.trash = trash_slot
+        n = self.sizes[-1]
         # A step's inputs are written on the host and go over in one non-blocking copy.
         fields = {"input_ids": ((n, width), torch.int64), "start_pos": ((n,), torch.int32),
                   "num_tokens": ((n,), torch.int32), "slots": ((n,), torch.int32)}
@@ -186,12 +193,12 @@ class StepGraphs:
         self.slots.fill_(self.trash)
         self._inputs.host["slots"][:] = self.trash
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, ModelOutput] = {}
+        self.outputs: dict[int, Any] = {}
 
-        def step(size: int) -> ModelOutput:
+        def step(size: int) -> Any:
             index = self._inputs.tensors["logits_index"][:size] if last_logits else None
-            return model(self.input_ids[:size], self.start_pos[:size], self.num_tokens[:size],
-                         self.slots[:size], cache, logits_index=index, aux_layers=aux_layers)
+            return forward(self.input_ids[:size], self.start_pos[:size], self.num_tokens[:size],
+                           self.slots[:size], index)
 
         with device_scope(device):
             step(n)  # warm-up outside capture: compiles the Triton kernels; all rows are padding
@@ -230,7 +237,7 @@ class StepGraphs:
         self._inputs.send()
         return size
 
-    def replay(self, size: int) -> ModelOutput:
+    def replay(self, size: int) -> Any:
         """Replay; the returned output buffers are overwritten by the next replay."""
         self.graphs[size].replay()
         return self.outputs[size]
@@ -255,7 +262,7 @@ class TargetEngine:
         max_prefill_tokens: int = 8192,
         max_verify_tokens: int = 1,
         checkpoint: tuple[ModelConfig, dict[str, torch.Tensor]] | None = None,
-        prefill_graph_tokens: int = 2048,
+        prefill_graph_tokens: int = PREFILL_GRAPH_TOKENS,
     ):
         """max_context: cache positions per slot (default min(2048, max_position_embeddings)).
         max_verify_tokens: 1 + k, the widest verify row captured in CUDA graphs (1: decode graphs only).
@@ -298,14 +305,18 @@ class TargetEngine:
         self.graphs: list[StepGraphs] = []  # narrowest first: a step replays the first that fits
         self.prefill_graphs: StepGraphs | None = None
         if cuda_graphs and self.device.type == "cuda":
-            pool = None
+            def forward(ids, start_pos, num_tokens, slots, logits_index) -> ModelOutput:
+                return self.model(ids, start_pos, num_tokens, slots, self.cache, logits_index=logits_index,
+                                  aux_layers=self.aux_layers)
+
+            pool, trash = None, self.cache.trash_slot
             for width in sorted({1, max_verify_tokens}):
-                graphs = StepGraphs(self.model, self.cache, self.aux_layers, max_slots, width, pool)
+                graphs = StepGraphs(forward, self.device, trash, max_slots, width, pool)
                 self.graphs.append(graphs)
                 pool = graphs.pool
             if prefill_graph_tokens >= PREFILL_ROW:
-                self.prefill_graphs = StepGraphs(self.model, self.cache, self.aux_layers,
-                                                 prefill_graph_tokens // PREFILL_ROW, PREFILL_ROW, pool,
+                rows = prefill_graph_tokens // PREFILL_ROW
+                self.prefill_graphs = StepGraphs(forward, self.device, trash, rows, PREFILL_ROW, pool,
                                                  last_logits=True)
             with device_scope(self.device):  # into slot 0: free, and a prefill rewrites it from 0
                 for n in warm_up_widths(max_context):
