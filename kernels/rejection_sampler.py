@@ -4,9 +4,10 @@
 filter), and runs the Triton kernel on CUDA or the PyTorch reference elsewhere. Semantics:
 rejection_sampler_ref.
 
-The small per-request tensors (num_drafts, temperature, top_k, top_p, seed, positions) must be on the CPU:
-they are validated there, and everything the device needs from the host (those columns, the row layout,
-and draft ids or draft probs given on the host) travels in one copy from pinned memory. On CUDA nothing
+The small per-request columns (num_drafts, temperature, top_k, top_p, seed, positions: tensors or numpy
+arrays) must be on the CPU: they are validated there, and everything the device needs from the host (those
+columns, the row layout, and draft ids or draft probs given on the host) travels in one copy from pinned
+memory. On CUDA nothing
 waits for the device except the final bad-input check; with defer_check=True not even that, and
 SampleOutput.token_lists() reads the result and raises on bad input with one device-to-host copy.
 """
@@ -16,6 +17,7 @@ import math
 import os
 from typing import Literal
 
+import numpy as np
 import torch
 from specwire.kernels.rejection_sampler_ref import (
     DraftProbs,
@@ -35,11 +37,17 @@ __all__ = ["DraftProbs", "SampleOutput", "SamplerInputError", "prepare_batch", "
 
 Backend = Literal["auto", "triton", "torch"]
 
+HostColumn = torch.Tensor | np.ndarray  # a per-request column, or the draft ids, on the host
 
-def _column(name: str, t: torch.Tensor, B: int, dtype: torch.dtype) -> torch.Tensor:
-    if t.shape != (B,):
+# numpy dtypes of the parts the host sends, as torch dtypes (the device views of the staged copy)
+_TORCH_DTYPES = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32,
+                 np.dtype(np.float32): torch.float32}
+
+
+def _column(name: str, t: HostColumn, B: int, dtype: type) -> np.ndarray:
+    if tuple(t.shape) != (B,):
         raise SamplerInputError(f"{name} has shape {tuple(t.shape)}, expected ({B},)")
-    return t.detach().cpu().to(dtype)
+    return _host(t).astype(dtype, copy=False)
 
 
 def _fail_if_any(message: str, bad_values: list) -> None:
@@ -80,14 +88,14 @@ def _pick_backend(backend: Backend, logits: torch.Tensor) -> bool:
 
 def rejection_sample(
     target_logits: torch.Tensor,
-    draft_token_ids: torch.Tensor,
-    num_drafts: torch.Tensor,
+    draft_token_ids: HostColumn,
+    num_drafts: HostColumn,
     draft_probs: DraftProbs | None,
-    temperature: torch.Tensor,
-    top_k: torch.Tensor,
-    top_p: torch.Tensor,
-    seed: torch.Tensor,
-    positions: torch.Tensor,
+    temperature: HostColumn,
+    top_k: HostColumn,
+    top_p: HostColumn,
+    seed: HostColumn,
+    positions: HostColumn,
     synthetic_acceptance: torch.Tensor | None = None,
     backend: Backend = "auto",
     defer_check: bool = False,
@@ -119,38 +127,40 @@ def rejection_sample(
 
 def prepare_batch(
     target_logits: torch.Tensor,
-    draft_token_ids: torch.Tensor,
-    num_drafts: torch.Tensor,
+    draft_token_ids: HostColumn,
+    num_drafts: HostColumn,
     draft_probs: DraftProbs | None,
-    temperature: torch.Tensor,
-    top_k: torch.Tensor,
-    top_p: torch.Tensor,
-    seed: torch.Tensor,
-    positions: torch.Tensor,
+    temperature: HostColumn,
+    top_k: HostColumn,
+    top_p: HostColumn,
+    seed: HostColumn,
+    positions: HostColumn,
     synthetic_acceptance: torch.Tensor | None = None,
 ) -> SamplerBatch:
-    """Validate the arguments of rejection_sample on the host and move them to the logits' device."""
+    """Validate the arguments of rejection_sample on the host and move them to the logits' device. The host
+    side works in numpy: a torch call on a tiny CPU tensor costs several microseconds and a release and
+    retake of the GIL, which a serving loop beside busy threads pays each time."""
     if target_logits.dim() != 2 or not target_logits.dtype.is_floating_point:
         raise SamplerInputError(f"target_logits must be a 2-D float tensor, got {target_logits.dtype} "
                                 f"{list(target_logits.shape)}")
     R, V = target_logits.shape
-    if num_drafts.dim() != 1:
+    if num_drafts.ndim != 1:
         raise SamplerInputError(f"num_drafts must be 1-D, got shape {list(num_drafts.shape)}")
-    B = num_drafts.numel()
-    nd = num_drafts.detach().cpu().long()
+    B = num_drafts.shape[0]
+    nd = _host(num_drafts).astype(np.int64)
     ks = nd.tolist()
     _fail_if_any("num_drafts must be >= 0", [k for k in ks if k < 0])
     D = sum(ks)
     if R != D + B:
         raise SamplerInputError(f"target_logits has {R} rows, expected sum(num_drafts + 1) = {D + B}")
-    if draft_token_ids.shape != (D,) or draft_token_ids.dtype.is_floating_point:
+    if tuple(draft_token_ids.shape) != (D,) or _is_float(draft_token_ids):
         raise SamplerInputError(f"draft_token_ids must be integer [{D}], got {draft_token_ids.dtype} "
                                 f"{list(draft_token_ids.shape)}")
     _check_draft_probs(draft_probs, D, V)
 
-    temp = _column("temperature", temperature, B, torch.float32)
-    top_k, top_p = _column("top_k", top_k, B, torch.long), _column("top_p", top_p, B, torch.float32)
-    seed, pos = _column("seed", seed, B, torch.long), _column("positions", positions, B, torch.long)
+    temp = _column("temperature", temperature, B, np.float32)
+    top_k, top_p = _column("top_k", top_k, B, np.int64), _column("top_p", top_p, B, np.float32)
+    seed, pos = _column("seed", seed, B, np.int64), _column("positions", positions, B, np.int64)
     temps, top_ks, top_ps = temp.tolist(), top_k.tolist(), top_p.tolist()
     _fail_if_any("temperature must be finite and >= 0", [t for t in temps if not 0 <= t < math.inf])
     _fail_if_any("top_k must be >= 0", [k for k in top_ks if k < 0])
@@ -160,23 +170,25 @@ def prepare_batch(
     max_drafts = max(ks, default=0)
     rates = None
     if synthetic_acceptance is not None:
-        rates = synthetic_acceptance.detach().cpu().float()
-        if rates.dim() != 1 or rates.numel() < max(max_drafts, 1):
+        rates = synthetic_acceptance.detach().cpu().float().numpy()
+        if rates.ndim != 1 or rates.size < max(max_drafts, 1):
             raise SamplerInputError(f"synthetic_acceptance must be 1-D with >= {max(max_drafts, 1)} rates, "
                                     f"got shape {list(rates.shape)}")
         _fail_if_any("synthetic_acceptance rates must be in [0, 1]",
                      [r for r in rates.tolist() if not 0 <= r <= 1])
 
-    cu_drafts = torch.zeros(B + 1, dtype=torch.long)
-    torch.cumsum(nd, 0, out=cu_drafts[1:])
-    row_request = torch.repeat_interleave(torch.arange(B), nd + 1, output_size=R)
+    cu_drafts = np.zeros(B + 1, dtype=np.int64)
+    np.cumsum(nd, out=cu_drafts[1:])
+    row_request = np.repeat(np.arange(B, dtype=np.int64), nd + 1)
     filtering = [t > 0 and (0 < k < V or p < 1) for t, k, p in zip(temps, top_ks, top_ps, strict=True)]
     # Decided on the host, so a batch that does not filter never waits for the device.
     filters = _filter_columns(filtering, row_request, temp, top_k, top_p, V) if any(filtering) else []
     q = None if draft_probs is None or D == 0 else (
         draft_probs.probs, None if draft_probs.is_dense else draft_probs.indices.long(), draft_probs.values)
-    moved = _to_device([draft_token_ids.long(), cu_drafts, row_request, temp, seed, pos, rates,
-                        *(q or ()), *filters], target_logits.device)
+    ids = draft_token_ids.long() if isinstance(draft_token_ids, torch.Tensor) else \
+        draft_token_ids.astype(np.int64, copy=False)
+    moved = _to_device([ids, cu_drafts, row_request, temp, seed, pos, rates, *(q or ()), *filters],
+                       target_logits.device)
     draft_ids, cu_drafts, row_request, temp, seed, pos, rates = moved[:7]
     return SamplerBatch(
         logits=target_logits, draft_ids=draft_ids, cu_drafts=cu_drafts, row_request=row_request,
@@ -186,40 +198,54 @@ def prepare_batch(
     )
 
 
-def _filter_columns(filtering: list[bool], row_request: torch.Tensor, temperature: torch.Tensor,
-                    top_k: torch.Tensor, top_p: torch.Tensor, V: int) -> list[torch.Tensor]:
+def _host(t: HostColumn) -> np.ndarray:
+    return t if isinstance(t, np.ndarray) else t.detach().cpu().numpy()
+
+
+def _is_float(t: HostColumn) -> bool:
+    return t.dtype.kind == "f" if isinstance(t, np.ndarray) else t.dtype.is_floating_point
+
+
+def _filter_columns(filtering: list[bool], row_request: np.ndarray, temperature: np.ndarray,
+                    top_k: np.ndarray, top_p: np.ndarray, V: int) -> list[np.ndarray]:
     """logit_thresholds' per-row arguments, on the host: the rows that filter, their 1 / temperature,
     top-k in [1, V] and top-p."""
-    rows = torch.nonzero(torch.tensor(filtering)[row_request]).squeeze(1)
+    rows = np.flatnonzero(np.asarray(filtering)[row_request])
     req = row_request[rows]
-    return [rows, 1.0 / temperature[req], torch.where(top_k > 0, top_k.clamp(max=V), V)[req], top_p[req]]
+    return [rows, np.float32(1.0) / temperature[req], np.where(top_k > 0, np.minimum(top_k, V), V)[req],
+            top_p[req]]
 
 
-def _to_device(parts: list[torch.Tensor | None], device: torch.device) -> list[torch.Tensor | None]:
-    """The parts on `device`. To CUDA, those on the host travel together: one copy from pinned memory."""
-    moved, host = list(parts), []
+def _to_device(parts: list[torch.Tensor | np.ndarray | None], device: torch.device
+               ) -> list[torch.Tensor | None]:
+    """The parts as tensors on `device`. To CUDA, those on the host travel together: one copy from pinned
+    memory, filled through numpy."""
+    moved: list = list(parts)
+    host = []
     for i, t in enumerate(parts):
-        if t is not None and t.device != device:
-            if device.type == "cuda" and t.device.type == "cpu":
-                host.append(i)
-            else:
-                moved[i] = t.to(device)
+        on_host = isinstance(t, np.ndarray) or (t is not None and t.device.type == "cpu")
+        if t is None or (not on_host and t.device == device):
+            continue
+        if device.type == "cuda" and on_host:
+            host.append(i)
+        else:
+            moved[i] = (torch.from_numpy(t) if isinstance(t, np.ndarray) else t).to(device)
     if not host:
         return moved
+    arrays = [np.ascontiguousarray(_host(parts[i])) for i in host]
     # Every part starts 16-byte aligned: Triton compiles a kernel per pattern of pointer alignments, and
     # offsets that moved with the batch's shape would make a new pattern (a compile) out of a new batch.
-    pieces = []
-    for i in host:
-        f = parts[i].reshape(-1)
-        if f.stride(0) != 1:  # a column of a table (one element long: is_contiguous() but stride != 1)
-            f = torch.empty(f.numel(), dtype=f.dtype).copy_(f)
-        f = f.view(torch.uint8)
-        pieces += [f, torch.zeros(-f.numel() % 16, dtype=torch.uint8)]
-    staging = torch.empty(sum(p.numel() for p in pieces), dtype=torch.uint8, pin_memory=True)
-    torch.cat(pieces, out=staging)
-    chunks = staging.to(device, non_blocking=True).split([p.numel() for p in pieces])[::2]
-    for i, chunk in zip(host, chunks, strict=True):
-        moved[i] = chunk.view(parts[i].dtype).view(parts[i].shape)
+    offsets, end = [], 0
+    for a in arrays:
+        offsets.append(end)
+        end += -(-a.nbytes // 16) * 16
+    staging = torch.empty(end, dtype=torch.uint8, pin_memory=True)
+    block = staging.numpy()
+    for a, offset in zip(arrays, offsets, strict=True):
+        block[offset:offset + a.nbytes] = a.reshape(-1).view(np.uint8)
+    on_device = staging.to(device, non_blocking=True)
+    for i, a, offset in zip(host, arrays, offsets, strict=True):
+        moved[i] = on_device[offset:offset + a.nbytes].view(_TORCH_DTYPES[a.dtype]).view(a.shape)
     return moved
 
 

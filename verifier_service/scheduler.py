@@ -892,19 +892,19 @@ class Scheduler:
         return _Step(tokens, features, dtype)
 
     def _sample(self, logits: torch.Tensor, requests: list[Request], batch: BatchDrafts) -> SampleOutput:
-        def column(values: list, dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype)
+        def column(values: list, dtype: type) -> np.ndarray:  # numpy: no torch call per column
+            return np.array(values, dtype=dtype)
 
         return rejection_sample(  # draft ids and q go over on the host: the sampler moves them to the logits
             logits,
-            column([t for d in batch.token_ids for t in d], torch.int64),
-            column(batch.num_drafts, torch.int32),
+            column([t for d in batch.token_ids for t in d], np.int64),
+            column(batch.num_drafts, np.int32),
             batch.probs,
-            column([r.params.temperature for r in requests], torch.float32),
-            column([r.params.top_k for r in requests], torch.int32),
-            column([r.params.top_p for r in requests], torch.float32),
-            column([r.seed for r in requests], torch.int64),
-            column([len(r.tokens) for r in requests], torch.int64),
+            column([r.params.temperature for r in requests], np.float32),
+            column([r.params.top_k for r in requests], np.int32),
+            column([r.params.top_p for r in requests], np.float32),
+            column([r.seed for r in requests], np.int64),
+            column([len(r.tokens) for r in requests], np.int64),
             synthetic_acceptance=rates_tensor(self.config.forced_acceptance),
             defer_check=True,  # no wait for the device until the one copy back, which also checks
         )
