@@ -4,10 +4,12 @@
 # into $OUT/<side>_<round>/, then services_table.py of every run. The older tree is carried as .devcarry/old:
 #
 #   rm -rf .devcarry/old && mkdir -p .devcarry/old && git archive <before> | tar -x -C .devcarry/old \
-#       --exclude=drafter_service/heads          # this tree's heads are linked in
+#       --exclude=drafter_service/heads --exclude=bench/results --exclude=docs --exclude=tests --exclude=k8s
+#   (this tree's heads are linked in; the rest is not run, and the carry is at most 64 MiB)
 #
 # SmolLM2, after the two staging calls of run_services_h200x2.sh, carry [".devcarry/smol.part.ac",
-# ".devcarry/wmin", ".devcarry/old"]:
+# ".devcarry/wmin", ".devcarry/old"] (too much with this tree's size: stage ac as a third call and carry
+# [".devcarry/wmin", ".devcarry/old"]):
 #   BEFORE=<sha> AFTER=<sha> bash bench/ab_trees_h200x2.sh --workloads smollm2 --setups target_only,two_gpus_socket \
 #       --smollm2-cache off --batch-sizes 1,16 --temperatures 0 --sweep-ks '' --repeats 20
 # The 8B shape, carry [".devcarry/wmin", ".devcarry/old"]:
@@ -19,7 +21,7 @@ set -uo pipefail
 OUT=${OUT:-/tmp/specwire-out}
 M=${MODEL_DIR:-/root/m}
 [ -d .devcarry/old/bench ] || { echo "no .devcarry/old: carry git archive <before> there"; exit 3; }
-if [ -f .devcarry/smol.part.ac ]; then  # carried: the runs are SmolLM2's
+if [ -f .devcarry/smol.part.ac ] || [ -f "$M/smol.part.ac" ]; then  # carried: the runs are SmolLM2's
     bash bench/join_model.sh || exit 3
 fi
 model=(); [ -f "$M/smol.gguf" ] && model=(--model "$M/smol.gguf")

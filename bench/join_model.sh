@@ -6,9 +6,11 @@
 set -uo pipefail
 M=${MODEL_DIR:-/root/m}
 [ -f "$M/smol.gguf" ] && exit 0
-for part in "$M/smol.part.aa" "$M/smol.part.ab" .devcarry/smol.part.ac; do
+# The third part is carried, or staged like the first two (`stage ac`) when the call's carry would pass 64 MiB.
+third=.devcarry/smol.part.ac; [ -f "$third" ] || third="$M/smol.part.ac"
+for part in "$M/smol.part.aa" "$M/smol.part.ab" "$third"; do
     [ -f "$part" ] || { echo "no $part: stage the model (calls 1 and 2 of bench/run_services_h200x2.sh; the" \
-                             "machine may have gone back) and carry .devcarry/smol.part.ac" >&2; exit 3; }
+                             "machine may have gone back) and carry .devcarry/smol.part.ac (or stage it)" >&2; exit 3; }
 done
-cat "$M/smol.part.aa" "$M/smol.part.ab" .devcarry/smol.part.ac > "$M/smol.gguf.joining" &&
+cat "$M/smol.part.aa" "$M/smol.part.ab" "$third" > "$M/smol.gguf.joining" &&
     mv "$M/smol.gguf.joining" "$M/smol.gguf"

@@ -6,7 +6,9 @@
 #   call 2, carry [".devcarry/smol.part.ab"]:                    bash bench/run_services_h200x2.sh stage ab
 #   call 3, carry [".devcarry/smol.part.ac", ".devcarry/wmin"]:  SPECWIRE_COMMIT=<sha> bash bench/run_services_h200x2.sh
 #
-# Three parts: the tree that travels is about 21 MB since the EAGLE-3 head, and a call carries 64 MiB in all.
+# Three parts: the tree that travels is about 33 MB (the heads and results), and a call carries 64 MiB in all.
+# A call that must carry more (.devcarry/old for an A/B) stages the third part too (`stage ac`, carry
+# [".devcarry/smol.part.ac"]) and carries none: bench/join_model.sh takes it from the machine.
 #
 # Call 3 joins the model, runs bench/bench_services.py's default grid (SmolLM2 + shipped head, and the synthetic
 # Llama-3.1-8B shape at forced mean acceptance lengths 3, 2, 4, with a forced cache hit rate of 0.8 and
