@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # An A/B of one environment setting in one call ON a lent GPU machine: bench_services.py once per value of
-# $VAR, alternately (VALUES="0 10": 0, 10, 0, 10 with ROUNDS=2), each into $OUT/<value>_<round>/ and followed
-# by services_table.py. Every service the benchmark starts inherits the variable (SPECWIRE_ADMIT_WAIT_MS,
-# SPECWIRE_SWITCH_INTERVAL, SPECWIRE_STREAM_INTERVAL, ...).
+# $VAR, alternately (VALUES="0 10": 0, 10, 0, 10 with ROUNDS=2), each into $OUT/<value>_<round>/ (packed as
+# <value>_<round>.tgz at the end) and followed by services_table.py. Every service the benchmark starts
+# inherits the variable (SPECWIRE_ADMIT_WAIT_MS, SPECWIRE_SWITCH_INTERVAL, SPECWIRE_STREAM_INTERVAL, ...).
 # SmolLM2, after the two staging calls of run_services_h200x2.sh, carry [".devcarry/smol.part.ac", ".devcarry/wmin"]:
 #   VAR=SPECWIRE_ADMIT_WAIT_MS VALUES="0 10" SPECWIRE_COMMIT=<sha> bash bench/ab_env_h200x2.sh \
 #       --workloads smollm2 --setups target_only,colocated --smollm2-cache off --batch-sizes 16 \
@@ -27,6 +27,11 @@ for round in $(seq "${ROUNDS:-2}"); do
             || status=$?
         echo "== $VAR=$value, round $round"
         for f in "$dir"/services_*.json; do python3 bench/services_table.py "$f" --temperature 0; done
+    done
+done
+for value in $VALUES; do  # a call brings back at most 8 files: each run's folder travels as one archive
+    for dir in "$OUT/${value}"_*; do
+        [ -d "$dir" ] && tar -czf "$dir.tgz" -C "$OUT" "$(basename "$dir")" && rm -rf "$dir"
     done
 done
 exit $status

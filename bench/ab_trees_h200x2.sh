@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # A before/after A/B of the services in one call ON nvidia-h200-x2: an older commit's tree against this one,
 # alternately (before, after, before, after: ROUNDS=2), each a bench_services.py run of the given arguments
-# into $OUT/<side>_<round>/, then services_table.py of every run. The older tree is carried as .devcarry/old:
+# into $OUT/<side>_<round>/ (packed as <side>_<round>.tgz at the end: a call brings back 8 files), then
+# services_table.py of every run. The older tree is carried as .devcarry/old:
 #
 #   rm -rf .devcarry/old && mkdir -p .devcarry/old && git archive <before> | tar -x -C .devcarry/old \
 #       --exclude=drafter_service/heads --exclude=bench/results --exclude=docs --exclude=tests --exclude=k8s
@@ -44,4 +45,8 @@ for round in $(seq "${ROUNDS:-2}"); do
             tar -czf "$dir/trace.tgz" -C "$dir" trace && rm -rf "$dir/trace"
         fi
     done
+done
+# A call brings back at most 8 files: each run's folder travels as one archive.
+for dir in "$OUT"/before_* "$OUT"/after_*; do
+    [ -d "$dir" ] && tar -czf "$dir.tgz" -C "$OUT" "$(basename "$dir")" && rm -rf "$dir"
 done
