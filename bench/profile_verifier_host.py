@@ -6,7 +6,9 @@ the sampler and the lm_head rows are real-sized; 4 layers of width 64, so the fo
 `--streams` requests at a time generate greedily while cProfile records four threads: the verifier's event
 loop (scheduler, alignment, drafter link, streaming) and engine worker (forward, sampler, features), and the
 drafter's event loop (the Draft stream) and proposer worker (updates, drafting, the DraftResult).
-`--target-only` starts no drafter (k = 0): the verifier's two threads alone, each round a decode step. As in
+`--target-only` starts no drafter (k = 0): the verifier's two threads alone, each round a decode step.
+`--colocated` puts the same drafter inside the verifier's process behind the in-process link, its serial
+steps run on the verifier's loop as on a GPU (specwire.colocated; use with --cache-branches 0). As in
 the services, the loops are uvloop's and the switch interval 0.2 ms; torch computes on one thread, so the
 forward holds the worker's core as a GPU would and leaves the other to the event loop.
 
@@ -49,7 +51,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
 from profile_verify_step import sample, timed  # noqa: E402
 from specwire.verifier.scheduler import SchedulerConfig  # noqa: E402
 from specwire.verifier.server import VerifierServer, VerifierSettings  # noqa: E402
-from test_services_e2e import MAX_CONTEXT, Drafter, Loop, prompts, tiny_target  # noqa: E402
+from test_services_e2e import MAX_CONTEXT, Drafter, Loop, colocated, prompts, tiny_target  # noqa: E402
 
 from specwire import grpc_common  # noqa: E402
 from specwire.default_model import default_model_path  # noqa: E402
@@ -103,10 +105,11 @@ OWNERS = {  # function name -> a path fragment of its file, to tell apart same-n
 
 def start_verifier(loop: Loop, checkpoint, tokenizer, drafter_port: int | None, device: str, k: int,
                    max_slots: int, cache_branches: int = SchedulerConfig.cache_branches,
-                   drafter_socket: str | None = None
+                   drafter_socket: str | None = None, in_process: bool = False
                    ) -> tuple[VerifierServer, generation_pb2_grpc.GenerationStub]:
     """As `specwire verifier` builds it: CUDA graphs for decode and for verify rows of 1 + k tokens.
-    drafter_port None: target-only; drafter_socket: the Draft stream over the drafter's step socket."""
+    drafter_port None: target-only, unless in_process (the drafter in this process, on the CPU);
+    drafter_socket: the Draft stream over the drafter's step socket."""
     engine = TargetEngine(checkpoint=checkpoint, device=device, dtype=torch.float32, max_slots=max_slots,
                           max_context=MAX_CONTEXT, max_verify_tokens=k + 1)
     drafter = None if drafter_port is None else f"127.0.0.1:{drafter_port}"
@@ -116,8 +119,10 @@ def start_verifier(loop: Loop, checkpoint, tokenizer, drafter_port: int | None, 
                                                           cache_branches=cache_branches))
 
     async def start() -> tuple[VerifierServer, int]:  # grpc.aio objects belong to the loop they are made on
-        server = VerifierServer(grpc_common.ServerOptions(listen="127.0.0.1:0"), settings, VerifierMetrics())
-        return server, await server.start(engine, tokenizer)
+        metrics = VerifierMetrics()
+        server = VerifierServer(grpc_common.ServerOptions(listen="127.0.0.1:0"), settings, metrics)
+        link = colocated(checkpoint, tokenizer, metrics, inline=True) if in_process else None
+        return server, await server.start(engine, tokenizer, link)
 
     server, port = loop.run(start())
     return server, generation_pb2_grpc.GenerationStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
@@ -223,6 +228,8 @@ def main() -> int:
                    help="the verifier's --cache-branches (0: serial drafting, each round waits for drafts)")
     p.add_argument("--step-socket", action="store_true",
                    help="the Draft stream over the drafter's Unix step socket instead of gRPC")
+    p.add_argument("--colocated", action="store_true",
+                   help="the drafter in the verifier's process (serial steps on its loop); on the CPU")
     p.add_argument("--timer", choices=("cpu", "wall", "off"), default="cpu")
     p.add_argument("--switch-interval", type=float, default=grpc_common.DEFAULT_SWITCH_INTERVAL,
                    help="sys.setswitchinterval, as the services set it (default %(default)s s)")
@@ -245,16 +252,17 @@ def main() -> int:
     socket_path = None
     if args.step_socket and not args.target_only:
         socket_path = str(pathlib.Path(tempfile.mkdtemp(prefix="specwire-host-")) / "drafter.sock")
-    if not args.target_only:
+    if not args.target_only and not args.colocated:
         drafter_loop = Loop()
         drafter = Drafter(drafter_loop, checkpoint, tokenizer.fingerprint, device=args.drafter_device,
                           step_socket=socket_path)
     server, stub = start_verifier(verifier_loop, checkpoint, tokenizer, drafter and drafter.port,
                                   args.verifier_device, args.k, max_slots=max(16, args.streams),
-                                  cache_branches=args.cache_branches, drafter_socket=socket_path)
+                                  cache_branches=args.cache_branches, drafter_socket=socket_path,
+                                  in_process=args.colocated and not args.target_only)
     scheduler = server.scheduler
     deadline = time.time() + 30
-    while drafter and not scheduler.speculating:
+    while (drafter or args.colocated) and not scheduler.speculating:
         assert time.time() < deadline, "the drafter never connected"
         time.sleep(0.05)
     batch = prompts(args.requests, seed=1)
