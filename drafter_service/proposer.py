@@ -303,38 +303,34 @@ class EagleProposer:
         if not rows:
             return
         counts = [r.num_pending - 1 for r in rows]
-        graphs = self._prefill_graphs
-        if graphs is not None and graphs.fits(sum(-(-n // PREFILL_ROW) for n in counts), PREFILL_ROW):
-            self._prefill_by_graph(rows, counts)
+        features = [torch.cat(r.pending_features) for r in rows]  # each request's, joined once
+        if self._prefill_graphs is not None and self._prefill_graphs.fits_prompts(counts):
+            self._prefill_by_graph(rows, counts, features)
         else:
-            self._prefill_eagerly(rows, counts)
-        for r, n in zip(rows, counts, strict=True):
-            rest = torch.cat(r.pending_features)[n:]
+            self._prefill_eagerly(rows, counts, features)
+        for r, n, joined in zip(rows, counts, features, strict=True):
             r.num_cached += n
-            r.pending_tokens, r.pending_features = r.pending_tokens[n:], [rest]
+            r.pending_tokens, r.pending_features = r.pending_tokens[n:], [joined[n:]]
 
-    def _prefill_by_graph(self, rows: list[_Request], counts: list[int]) -> None:
+    def _prefill_by_graph(self, rows: list[_Request], counts: list[int], features: list[torch.Tensor]
+                          ) -> None:
         grid = prefill_rows([(r.slot, r.pending_tokens[:n]) for r, n in zip(rows, counts, strict=True)],
                             PREFILL_ROW, [r.num_cached for r in rows])
-        features = torch.cat([torch.cat(r.pending_features)[:n] for r, n in zip(rows, counts, strict=True)])
+        fed = torch.cat([joined[:n] for joined, n in zip(features, counts, strict=True)])
         cells = upload(torch.tensor(grid.cells), self.device)
         F = self.head.config.feature_dim
-        self._prefill_features.view(-1, F).index_copy_(0, cells, features.to(self.device, self.head.dtype))
-        graphs = self._prefill_graphs
-        size = graphs.prepare(torch.tensor(grid.slots, dtype=torch.int32), torch.from_numpy(grid.tokens),
-                              torch.tensor(grid.counts, dtype=torch.int32),
-                              torch.tensor(grid.starts, dtype=torch.int32))
-        graphs.replay(size)
+        self._prefill_features.view(-1, F).index_copy_(0, cells, fed.to(self.device, self.head.dtype))
+        self._prefill_graphs.replay_rows(grid)
 
-    def _prefill_eagerly(self, rows: list[_Request], counts: list[int]) -> None:
+    def _prefill_eagerly(self, rows: list[_Request], counts: list[int], features: list[torch.Tensor]) -> None:
         width = max(counts)
         ids = torch.zeros(len(rows), width, dtype=torch.int64)
         home = rows[0].pending_features[0].device  # the host for features from the wire, else this device
         feats = torch.zeros(len(rows), width, self.head.config.feature_dim, dtype=self.head.dtype,
                             device=home)
-        for i, (r, n) in enumerate(zip(rows, counts, strict=True)):
+        for i, (r, n, joined) in enumerate(zip(rows, counts, features, strict=True)):
             ids[i, :n] = torch.tensor(r.pending_tokens[:n])
-            feats[i, :n] = torch.cat(r.pending_features)[:n]
+            feats[i, :n] = joined[:n]
 
         def column(values: list[int]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.int32, device=self.device)

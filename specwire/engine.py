@@ -215,6 +215,17 @@ class StepGraphs:
     def fits(self, batch: int, width: int) -> bool:
         return batch <= self.sizes[-1] and width <= self.width
 
+    def fits_prompts(self, lengths: Sequence[int]) -> bool:
+        """Whether prompts of these lengths, cut into rows of this graph's width (PrefillRows), fit it."""
+        return self.fits(sum(-(-n // self.width) for n in lengths), self.width)
+
+    def replay_rows(self, rows: PrefillRows) -> Any:
+        """prepare + replay for prompts cut into rows of this graph's width."""
+        size = self.prepare(torch.tensor(rows.slots, dtype=torch.int32), torch.from_numpy(rows.tokens),
+                            torch.tensor(rows.counts, dtype=torch.int32),
+                            torch.tensor(rows.starts, dtype=torch.int32))
+        return self.replay(size)
+
     def prepare(
         self, slots: torch.Tensor, tokens: torch.Tensor, num_tokens: torch.Tensor, positions: torch.Tensor
     ) -> int:
@@ -365,15 +376,10 @@ class TargetEngine:
 
     def prefill_graph_fits(self, lengths: Sequence[int]) -> bool:
         """Whether prompts of these lengths are prefilled by a graph replay (else eagerly)."""
-        return self.prefill_graphs is not None and self.prefill_graphs.fits(
-            sum(-(-n // PREFILL_ROW) for n in lengths), PREFILL_ROW)
+        return self.prefill_graphs is not None and self.prefill_graphs.fits_prompts(lengths)
 
     def _prefill_graph(self, rows: PrefillRows) -> StepOutput:
-        graphs = self.prefill_graphs
-        size = graphs.prepare(torch.tensor(rows.slots, dtype=torch.int32), torch.from_numpy(rows.tokens),
-                              torch.tensor(rows.counts, dtype=torch.int32),
-                              torch.tensor(rows.starts, dtype=torch.int32))
-        out = graphs.replay(size)
+        out = self.prefill_graphs.replay_rows(rows)
         index = upload(torch.tensor(rows.last_rows + rows.cells), self.device)  # one copy for both picks
         last, cells = index[:len(rows.last_rows)], index[len(rows.last_rows):]
         hidden = out.hidden.flatten(0, 1).index_select(0, cells)

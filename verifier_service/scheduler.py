@@ -206,9 +206,10 @@ class SchedulerConfig:
     # between verifications (about 33 us each on the H200 host), for a coarser inter-token latency.
     stream_interval: int = 1
     # Seconds a waiting request may wait, while others decode, for more arrivals to share its prefill step
-    # (TGI's max_waiting_tokens, in time): a prefill step costs about the same for one prompt or a few (an
-    # eager forward), and under steady load with speculation requests end, so new ones arrive, one at a
-    # time. 0: prefilled at once. Never waits when nothing decodes or when the waiting fill the free slots.
+    # (TGI's max_waiting_tokens, in time): a prefill step costs about the same for one prompt or a few (one
+    # graph replay or eager forward), and under steady load with speculation requests end, so new ones
+    # arrive, one at a time. 0: prefilled at once. Never waits when nothing decodes or when the waiting fill
+    # the free slots.
     admit_wait: float = 0.0
 
 
