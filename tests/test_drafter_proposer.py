@@ -89,9 +89,17 @@ def greedy_chain(s: Setup, rid: str, k: int) -> list[int]:
     return drafts
 
 
+def on_cuda():
+    return pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                          reason="needs CUDA")])
+
+
+# On CUDA the features are handed on the device, as a co-located verifier hands them: they reach the head
+# through the proposer's one gather (its cells) into the captured graphs' inputs, not its host copy.
+@pytest.mark.parametrize("device", ["cpu", on_cuda()])
 @pytest.mark.parametrize("arch", ["eagle1", "eagle3"])
-def test_greedy_chains_per_request_k_and_join_leave(tmp_path, arch):
-    s = Setup(tmp_path, arch)
+def test_greedy_chains_per_request_k_and_join_leave(tmp_path, arch, device):
+    s = Setup(tmp_path, arch, device=device)
     for rid, n in [("a", 9), ("b", 3), ("c", 12), ("d", 5)]:  # c: longer than the first-step width
         s.add(rid, n)
     order, ks = ["c", "a", "d", "b"], [3, 0, 1, 4]
