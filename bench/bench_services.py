@@ -366,10 +366,11 @@ def report(w: Workload, rows: list[dict], skipped: list[dict], header: dict) -> 
 
 def write_chunk_times(path: Path, workload: str, rows: list[dict]) -> None:
     """Appends a line per point: its configuration and each request's send time (seconds after the point's
-    first) and chunk arrival times (seconds after its send)."""
+    first) and chunk arrival times (seconds after its send). Rows without them (transformers `generate()`,
+    which streams nothing) are left out."""
     keys = ("setup", "k", "forced_acceptance_length", "forced_hit_rate", "batch", "temperature", "load")
     with path.open("a") as f:
-        for r in rows:
+        for r in (r for r in rows if "_chunks" in r):
             line = {"workload": workload, **{k: r.get(k) for k in keys}, "requests": r["_chunks"]}
             f.write(json.dumps(line) + "\n")
 

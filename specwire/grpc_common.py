@@ -110,13 +110,25 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(line, default=str)
 
 
+class TextFormatter(logging.Formatter):
+    """One plain line, the record's `extra=` fields (a disconnect's reason, a request id) as key=value after
+    the message: without them a text log says that something failed but not why."""
+
+    def __init__(self):
+        super().__init__("%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    def format(self, record: logging.LogRecord) -> str:
+        extras = " ".join(f"{k}={v!r}" for k, v in record.__dict__.items() if k not in _RECORD_FIELDS)
+        line = super().format(record)
+        return f"{line} {extras}" if extras else line
+
+
 def setup_logging(level: str = "INFO", fmt: str = "json", stream: Any = None) -> None:
     """Routes all logging to one handler on `stream` (stderr) in `fmt` "json" or "text"."""
     if fmt not in ("json", "text"):
         raise ValueError(f"log format {fmt!r} is not 'json' or 'text'")
     handler = logging.StreamHandler(stream or sys.stderr)
-    handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(
-        "%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())

@@ -327,6 +327,19 @@ def test_json_logs_one_object_per_line_with_extra_fields():
         grpc_common.setup_logging("INFO", "xml")
 
 
+def test_text_logs_keep_the_extra_fields():
+    stream = io.StringIO()
+    grpc_common.setup_logging("INFO", "text", stream)
+    try:
+        logging.getLogger("specwire.test").warning("drafter disconnected", extra={"reason": "write failed"})
+        logging.getLogger("specwire.test").info("plain")
+    finally:
+        logging.getLogger().handlers.clear()
+    first, second = stream.getvalue().splitlines()
+    assert first.endswith("WARNING specwire.test: drafter disconnected reason='write failed'")
+    assert second.endswith("INFO specwire.test: plain")
+
+
 def test_env_default_parses_like_the_default(monkeypatch):
     monkeypatch.setenv("SPECWIRE_T_INT", "7")
     monkeypatch.setenv("SPECWIRE_T_BOOL", "off")

@@ -147,13 +147,15 @@ class Verifier:
     def __init__(self, loop: Loop, checkpoint, tokenizer, drafter_port: int | str | None, max_slots: int = 16,
                  cache_branches: int = BRANCHES, step_timeout: float = 5.0, device: str = "cpu",
                  table_wait: float | None = 5.0, just_in_time_wait: float | None = 5.0,
-                 max_waiting: int = 64, drafting_epoch: int = 0, drafter_socket: str | None = None):
+                 max_waiting: int = 64, drafting_epoch: int = 0, drafter_socket: str | None = None,
+                 max_message_bytes: int = grpc_common.DEFAULT_MAX_MESSAGE_BYTES):
         self.loop, self.metrics = loop, VerifierMetrics()
         self.engine = TargetEngine(checkpoint=checkpoint, device=device, dtype=torch.float32,
                                    max_slots=max_slots, max_context=MAX_CONTEXT)
         settings = VerifierSettings(
             drafter=f"127.0.0.1:{drafter_port}" if isinstance(drafter_port, int) else None,
             drafter_socket=drafter_socket,
+            drafter_channel=grpc_common.ChannelOptions(max_message_bytes=max_message_bytes),
             step_timeout=step_timeout,
             scheduler=SchedulerConfig(num_speculative_tokens=K, max_waiting=max_waiting,
                                       default_max_tokens=16, cache_branches=cache_branches,
@@ -606,6 +608,21 @@ def test_greedy_with_serial_drafting_equals_target_only(world):
     with verifier_of_the_world_drafter(world, cache_branches=0) as v:
         greedy_equals_target_only(world, v, 8, seed=15)
         assert v.counter(v.metrics.num_accepted_tokens) > 0
+
+
+def test_steps_stay_under_the_message_limit_prompts_waiting_their_turn(world):
+    """Prompts whose features pass the drafter channel's message limit together go over a few a step (whole
+    requests, 3/4 of the limit for features); one that alone would pass it is never drafted. Before, such a
+    step failed to send, the stream broke, every request was re-sent whole, and it broke again (the 8B shape
+    at batch 32: 130 MB of prompt features against 64 MiB). Output stays target-only's; no stream breaks."""
+    row = 4 * H  # a token's float32 features
+    batch = [p[:1] * 16 for p in prompts(6, seed=23)] + [prompts(1, seed=24)[0][:1] * 60]
+    with verifier_of_the_world_drafter(world, max_message_bytes=40 * row * 4 // 3, cache_branches=0) as v:
+        results = generate_all(v, batch, max_tokens=20)
+        assert [r[0] for r in results] == greedy_reference(world.checkpoint, batch, 20)
+        assert all(r[2].usage.draft_tokens > 0 for r in results[:6])  # 15 rows each: two a step
+        assert results[6][2].usage.draft_tokens == 0  # 59 rows: never fits the 40 a step may carry
+        assert v.counter(v.metrics.fallbacks["down"]) == 0
 
 
 def test_target_only_rounds_on_the_worker_hand_back_for_news(world):

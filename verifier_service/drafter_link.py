@@ -111,6 +111,7 @@ class LocalDrafterLink(_StepResults):
         is mostly launches and one wait)."""
         self._run_step, self._info, self._mismatch, self._inline = run_step, info, mismatch, inline
         self.feature_device = feature_device
+        self.max_step_bytes = float("inf")  # features are handed over as tensors, not in the step
         self.metrics, self.step_timeout, self.max_in_flight = metrics, step_timeout, max_in_flight
         self.target = "in-process"
         self.handshake = pb.HandshakeRequest()
@@ -197,6 +198,8 @@ class DrafterLink(_StepResults):
         self.target, self.metrics, self.socket_path = target, metrics, socket_path
         self.feature_device: torch.device | None = None  # features travel in the steps, as bytes
         self.channel_options = channel_options or grpc_common.ChannelOptions()
+        # What a step's features may take: the message limit less room for its token ids and wants.
+        self.max_step_bytes = self.channel_options.max_message_bytes * 3 // 4
         self.handshake = pb.HandshakeRequest()
         self.check_info: Callable[[pb.DrafterInfo], None] = lambda info: None
         self.step_timeout, self.max_in_flight, self.backoff = step_timeout, max_in_flight, backoff

@@ -292,6 +292,7 @@ class Scheduler:
         self._forcing = random.Random(0)  # forced_hit_rate's draws
         self._feature_columns: np.ndarray | slice | None = None
         self._feature_dtype = torch.float32
+        self._feature_row_bytes = 0  # one token's features as the drafter takes them
         self._readback = _Readback()  # the worker's feature table on its way to the host
         self._store: FeatureStore | None = None  # instead, for a drafter that takes tensors (co-located)
         # Recorded after each verification the loop launches on CUDA: the loop polls it (see _verify).
@@ -948,6 +949,7 @@ class Scheduler:
         else:
             columns = columns.numpy()
         self._feature_columns, self._feature_dtype = columns, dtype
+        self._feature_row_bytes = width * dtype.itemsize
         device = self.link.feature_device
         self._store = None if device is None else FeatureStore(
             self.engine.max_slots, self.max_context, columns, width, dtype, device)
@@ -1008,13 +1010,18 @@ class Scheduler:
         # Past max_requests the drafter refuses a NewRequest, which would then be re-sent whole (every prompt
         # feature) each step. A request without room waits, undrafted, for one; this step's frees come first.
         room = self._drafter_room()
+        # A step stays under the link's message limit: whole requests (a prompt's features: 8B shape, 24 KB
+        # a token) wait for a later step once this one is full, and one that could never fit is not drafted.
+        feature_bytes = self.link.max_step_bytes
         told, sends = [], []  # sends: (request, its first token the drafter has not been told)
         tensors: dict[str, torch.Tensor] = {}  # features handed over as tensors (the store's views)
         for r in group:
             if r.drafter_len == 0:
-                if room == 0:
+                need = (len(r.tokens) - 1) * self._feature_row_bytes
+                if room == 0 or need > feature_bytes:
                     continue
                 room -= 1
+                feature_bytes -= need
                 sends.append((r, 0))
             elif r.drafter_len < len(r.tokens):
                 sends.append((r, r.drafter_len))
