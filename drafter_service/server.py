@@ -17,6 +17,7 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 
 import grpc
+import numpy as np
 import torch
 from specwire.drafter.proposer import VERIFYING_CHAIN, EagleProposer, Proposal, ProposerError
 
@@ -28,7 +29,7 @@ from specwire.step_profiler import StepProfiler
 from specwire.step_socket import FrameError, MessageSocket
 from specwire.v1 import drafter_pb2 as pb
 from specwire.v1 import drafter_pb2_grpc
-from specwire.wire import PROTOCOL_VERSION, WireError, decode_tensor, encode_tensor
+from specwire.wire import PROTOCOL_VERSION, WireError, decode_tensor, encode_arrays, encode_tensor
 
 log = logging.getLogger("specwire.drafter")
 
@@ -325,12 +326,17 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
     def _split(self, wants: list[pb.DraftWant], proposal: Proposal, temperature: list[float],
                top_k: list[int], result: pb.DraftResult) -> None:
         """Adds one Proposal per request with drafts to `result`; q cut back to each row's own kind and width.
-        Everything comes to the host in one copy per tensor, then is sliced there."""
+        Everything comes to the host in one copy per tensor, then is sliced there (sparse q in numpy: torch
+        calls per request cost 19 us each, 0.3 ms a batch-16 step)."""
         ids = proposal.token_ids.tolist()
         counts = proposal.num_drafts.tolist()
         q = proposal.probs
-        if q is not None:
-            q = (q.probs.cpu(), None) if q.is_dense else (q.indices.cpu(), q.values.cpu())
+        dense = sparse = None
+        if q is not None and q.is_dense:
+            dense = q.probs.cpu()
+        elif q is not None:
+            sparse = q.indices.to(torch.int32).cpu().numpy(), q.values.float().cpu().numpy()
+        cut: list[tuple[pb.Proposal, np.ndarray, np.ndarray]] = []  # sparse rows to encode in one go
         start = 0
         for w, k, t, tk in zip(wants, counts, temperature, top_k, strict=True):
             rows, start = slice(start, start + k), start + k
@@ -341,12 +347,17 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
                 message.probs_kind = pb.PROBS_KIND_NONE
             elif tk == 0:
                 message.probs_kind = pb.PROBS_KIND_DENSE
-                message.probs.CopyFrom(encode_tensor(q[0][rows]))
+                message.probs.CopyFrom(encode_tensor(dense[rows]))
             else:
-                if q[1] is None:  # a dense batch: this row's support is its top-K, so topk is exact
-                    values, indices = q[0][rows].topk(tk, dim=1)
-                else:
-                    indices, values = q[0][rows, :tk], q[1][rows, :tk]
                 message.probs_kind = pb.PROBS_KIND_SPARSE
-                message.sparse.indices.CopyFrom(encode_tensor(indices.to(torch.int32)))
-                message.sparse.values.CopyFrom(encode_tensor(values.float()))
+                if sparse is None:  # a dense batch: this row's support is its top-K, so topk is exact
+                    values, indices = dense[rows].topk(tk, dim=1)
+                    cut.append((message, indices.to(torch.int32).numpy(), values.numpy()))
+                else:
+                    cut.append((message, sparse[0][rows, :tk], sparse[1][rows, :tk]))
+        if cut:
+            indices = encode_arrays([(i, torch.int32) for _, i, _ in cut], torch.int32)
+            values = encode_arrays([(v, torch.float32) for _, _, v in cut], torch.float32)
+            for (message, _, _), i, v in zip(cut, indices, values, strict=True):
+                message.sparse.indices.CopyFrom(i)
+                message.sparse.values.CopyFrom(v)

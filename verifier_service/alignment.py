@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from specwire.kernels.rejection_sampler import DraftProbs
 
@@ -66,7 +67,8 @@ class BatchDrafts:
 
 
 def read_result(result: pb.DraftResult, wants: dict[str, Want], vocab_size: int) -> AlignedResult:
-    """Check every proposal of `result` against what `wants` asked for."""
+    """Check every proposal of `result` against what `wants` asked for. The sparse q of all proposals are
+    checked together (_check_sparse_batch): one pass of numpy over every row instead of one per proposal."""
     aligned = AlignedResult()
     for proposal in result.proposals:
         rid = proposal.request_id
@@ -75,13 +77,16 @@ def read_result(result: pb.DraftResult, wants: dict[str, Want], vocab_size: int)
             aligned.unknown_ids.append(rid)  # never asked for, or a duplicate: ignored
             continue
         try:
-            aligned.drafts[rid] = decode_proposal(proposal, want, vocab_size)
+            aligned.drafts[rid] = decode_proposal(proposal, want, vocab_size, check_sparse=False)
         except ProposalError as e:
             aligned.invalid[rid] = str(e)
+    _check_sparse_batch(aligned, vocab_size)
     return aligned
 
 
-def decode_proposal(proposal: pb.Proposal, want: Want, vocab_size: int) -> Drafts:
+def decode_proposal(proposal: pb.Proposal, want: Want, vocab_size: int, check_sparse: bool = True) -> Drafts:
+    """One proposal decoded and checked; check_sparse=False leaves a sparse q's values to the caller
+    (read_result checks a whole result's at once)."""
     rid = proposal.request_id
     ids = list(proposal.draft_token_ids)
     if len(ids) > want.num_drafts:
@@ -99,13 +104,13 @@ def decode_proposal(proposal: pb.Proposal, want: Want, vocab_size: int) -> Draft
         raise ProposalError(f"proposal {rid!r}: probs_kind {name}, expected {pb.ProbsKind.Name(expected)}")
     if kind == pb.PROBS_KIND_NONE:
         return Drafts(ids)
-    drafted = torch.tensor(ids, dtype=torch.int64)
     try:
         if kind == pb.PROBS_KIND_DENSE:
             probs = decode_tensor(proposal.probs, dtypes=(torch.float32,), ndim=2,
                                   name=f"proposal {rid!r} probs")
             _check_shape(rid, "probs", probs, (len(ids), vocab_size))
-            _check_distribution(rid, probs, probs.gather(1, drafted[:, None]))
+            q = probs.numpy()
+            _raise_first(rid, q, _distribution_faults(q, q[np.arange(len(ids)), ids]))
             return Drafts(ids, probs=probs)
         limit = len(ids) * vocab_size
         indices = decode_tensor(proposal.sparse.indices, dtypes=(torch.int32, torch.int64), ndim=2,
@@ -119,16 +124,11 @@ def decode_proposal(proposal: pb.Proposal, want: Want, vocab_size: int) -> Draft
     _check_shape(rid, "sparse values", values, (len(ids), K))
     if not 1 <= K <= min(want.top_k, vocab_size):
         raise ProposalError(f"proposal {rid!r}: sparse width {K}, expected 1..{want.top_k}")
-    unused = indices == -1
-    if bool(((indices < -1) | (indices >= vocab_size)).any()):
-        raise ProposalError(f"proposal {rid!r}: sparse index out of range [0, {vocab_size})")
-    if bool((unused & (values != 0)).any()):
-        raise ProposalError(f"proposal {rid!r}: unused sparse slot (-1) with nonzero probability")
-    ordered = torch.where(unused, -1 - torch.arange(K), indices).sort(1).values
-    if bool((ordered[:, 1:] == ordered[:, :-1]).any()):
-        raise ProposalError(f"proposal {rid!r}: repeated token in a sparse row")
-    _check_distribution(rid, values, ((indices == drafted[:, None]) * values).sum(1, keepdim=True))
-    return Drafts(ids, indices=indices, values=values)
+    drafts = Drafts(ids, indices=indices, values=values)
+    if check_sparse:
+        _raise_first(rid, values.numpy(), _sparse_faults(indices.numpy(), values.numpy(), ids, vocab_size),
+                     vocab_size)
+    return drafts
 
 
 def _check_shape(rid: str, name: str, tensor: torch.Tensor, shape: tuple[int, int]) -> None:
@@ -136,15 +136,67 @@ def _check_shape(rid: str, name: str, tensor: torch.Tensor, shape: tuple[int, in
         raise ProposalError(f"proposal {rid!r}: {name} of shape {list(tensor.shape)}, expected {list(shape)}")
 
 
-def _check_distribution(rid: str, q: torch.Tensor, q_of_draft: torch.Tensor) -> None:
-    """q rows are finite, non-negative, sum to 1, and give each draft a positive probability."""
-    if not bool(torch.isfinite(q).all()) or bool((q < 0).any()):
-        raise ProposalError(f"proposal {rid!r}: probabilities contain NaN, inf or negative values")
-    sums = q.double().sum(1)
-    if bool(((sums - 1).abs() > ROW_SUM_TOLERANCE).any()):
-        raise ProposalError(f"proposal {rid!r}: probability rows sum to {sums.tolist()}, not 1")
-    if bool((q_of_draft <= 0).any()):
-        raise ProposalError(f"proposal {rid!r}: a draft token has probability 0 under its own q")
+# What is wrong with a q row, in the order checked (0: nothing). The checks run in numpy over many rows at
+# once: a dozen torch calls on tiny CPU tensors cost 170 us a sampled proposal, 11 ms a round at batch 64.
+_FAULTS = {
+    1: "sparse index out of range [0, {vocab})",
+    2: "unused sparse slot (-1) with nonzero probability",
+    3: "repeated token in a sparse row",
+    4: "probabilities contain NaN, inf or negative values",
+    5: "probability rows sum to {sums}, not 1",
+    6: "a draft token has probability 0 under its own q",
+}
+
+
+def _distribution_faults(q: np.ndarray, q_of_draft: np.ndarray) -> np.ndarray:
+    """Per row: 4 unless finite and non-negative, else 5 unless it sums to 1, else 6 unless the draft has a
+    positive probability, else 0."""
+    with np.errstate(invalid="ignore", over="ignore"):
+        off = np.abs(q.sum(1, dtype=np.float64) - 1) > ROW_SUM_TOLERANCE
+    return np.select([~np.isfinite(q).all(1) | (q < 0).any(1), off, q_of_draft <= 0], [4, 5, 6], 0)
+
+
+def _sparse_faults(indices: np.ndarray, values: np.ndarray, drafted: list[int] | np.ndarray, vocab_size: int
+                   ) -> np.ndarray:
+    """Per sparse row [K] (slot -1: unused): the first fault of _FAULTS, or 0."""
+    unused = indices == -1
+    ordered = np.sort(np.where(unused, -1 - np.arange(indices.shape[1]), indices), axis=1)
+    q_of_draft = np.where(indices == np.asarray(drafted)[:, None], values, 0).sum(1)
+    structure = np.select([((indices < -1) | (indices >= vocab_size)).any(1), (unused & (values != 0)).any(1),
+                           (ordered[:, 1:] == ordered[:, :-1]).any(1)], [1, 2, 3], 0)
+    return np.where(structure > 0, structure, _distribution_faults(values, q_of_draft))
+
+
+def _raise_first(rid: str, q: np.ndarray, faults: np.ndarray, vocab_size: int = 0) -> None:
+    """Raises ProposalError for the first faulty row, if any."""
+    if faults.any():
+        fault = int(faults[faults > 0][0])
+        sums = q.sum(1, dtype=np.float64).tolist()
+        raise ProposalError(f"proposal {rid!r}: " + _FAULTS[fault].format(vocab=vocab_size, sums=sums))
+
+
+def _check_sparse_batch(aligned: AlignedResult, vocab_size: int) -> None:
+    """Checks every sparse q of `aligned` in one pass (rows padded to the widest with unused slots); a
+    proposal with a faulty row moves to `invalid`, named by its first fault."""
+    sparse = [(rid, d) for rid, d in aligned.drafts.items() if d.values is not None]
+    if not sparse:
+        return
+    K = max(d.values.shape[1] for _, d in sparse)
+    rows = sum(len(d.token_ids) for _, d in sparse)
+    indices, values = np.full((rows, K), -1, dtype=np.int64), np.zeros((rows, K), dtype=np.float32)
+    drafted, owner, start = np.empty(rows, dtype=np.int64), np.empty(rows, dtype=np.int64), 0
+    for i, (_, d) in enumerate(sparse):
+        end, width = start + len(d.token_ids), d.values.shape[1]
+        indices[start:end, :width], values[start:end, :width] = d.indices.numpy(), d.values.numpy()
+        drafted[start:end], owner[start:end], start = d.token_ids, i, end
+    faults = _sparse_faults(indices, values, drafted, vocab_size)
+    for i in np.unique(owner[faults > 0]).tolist():
+        rid, d = sparse[i]
+        del aligned.drafts[rid]
+        try:
+            _raise_first(rid, d.values.numpy(), faults[owner == i], vocab_size)
+        except ProposalError as e:
+            aligned.invalid[rid] = str(e)
 
 
 def batch_drafts(request_ids: list[str], drafts: dict[str, Drafts], vocab_size: int) -> BatchDrafts:
