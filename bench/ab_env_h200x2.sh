@@ -13,7 +13,7 @@ set -uo pipefail
 OUT=${OUT:-/tmp/specwire-out}
 M=${MODEL_DIR:-/root/m}
 [ -n "${VAR:-}" ] && [ -n "${VALUES:-}" ] || { echo "set VAR and VALUES"; exit 2; }
-if [ -f .devcarry/smol.part.ac ] || [ -f "$M/smol.part.ac" ]; then bash bench/join_model.sh || exit 3; fi
+if [ -f .devcarry/smol.part.ac ] || ls "$M"/smol.part.ac* > /dev/null 2>&1; then bash bench/join_model.sh || exit 3; fi
 model=(); [ -f "$M/smol.gguf" ] && model=(--model "$M/smol.gguf")
 source bench/device_env.sh
 export CUDA_DEVICE_ORDER=PCI_BUS_ID  # cuda:N is NVML's GPU N (bench/gpu_busy.py)

@@ -22,7 +22,7 @@ set -uo pipefail
 OUT=${OUT:-/tmp/specwire-out}
 M=${MODEL_DIR:-/root/m}
 [ -d .devcarry/old/bench ] || { echo "no .devcarry/old: carry git archive <before> there"; exit 3; }
-if [ -f .devcarry/smol.part.ac ] || [ -f "$M/smol.part.ac" ]; then  # carried: the runs are SmolLM2's
+if [ -f .devcarry/smol.part.ac ] || ls "$M"/smol.part.ac* > /dev/null 2>&1; then  # carried: the runs are SmolLM2's
     bash bench/join_model.sh || exit 3
 fi
 model=(); [ -f "$M/smol.gguf" ] && model=(--model "$M/smol.gguf")

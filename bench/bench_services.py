@@ -263,6 +263,13 @@ def measure(client: Client, port: int, metric_ports: dict[str, int | None], gpus
     return rows
 
 
+def _mismatch(request: int, got: list[int], want: list[int]) -> dict:
+    """Where a request's output first parts from target-only's, and the 4 tokens from there on each side."""
+    shorter = min(len(got), len(want))
+    at = next((j for j in range(shorter) if got[j] != want[j]), shorter)
+    return {"request": request, "position": at, "got": got[at:at + 4], "target_only": want[at:at + 4]}
+
+
 def compare(row: dict, base: dict | None, real_model: bool) -> dict:
     """speedup, output equality and the ideal speedup of a row against the target-only row (same point)."""
     if row["setup"] == "target_only":
@@ -273,8 +280,11 @@ def compare(row: dict, base: dict | None, real_model: bool) -> dict:
     if row["setup"] == "transformers":
         return out
     if real_model and row["temperature"] == 0:
-        same = sum(a == b for a, b in zip(row["_outputs"], base["_outputs"], strict=True))
-        out["output_equal_rate"] = same / len(row["_outputs"])
+        pairs = list(zip(row["_outputs"], base["_outputs"], strict=True))
+        out["output_equal_rate"] = sum(a == b for a, b in pairs) / len(pairs)
+        # Where an output parts from target-only's (up to 8): a lone late divergence at a near tie is bf16
+        # batch variance (the two runs batch the request differently); a bug would show early and often.
+        out["output_mismatches"] = [_mismatch(i, a, b) for i, (a, b) in enumerate(pairs) if a != b][:8]
     steps, base_steps = row["round_ms"]["steps"], base["round_ms"]["steps"]
     if (per_verification := tokens_per_verification(row)) is not None:
         out["tokens_per_verification"] = per_verification

@@ -6,6 +6,13 @@
 set -uo pipefail
 M=${MODEL_DIR:-/root/m}
 [ -f "$M/smol.gguf" ] && exit 0
+# A part may have been staged as two halves (`stage aa.aa`, `stage aa.ab`: .devcarry/smol.part.??.a?, made by
+# bench/stage_device.sh), when the tree leaves a call less than a whole part's 33 MB of carry.
+for p in aa ab ac; do
+    if [ ! -f "$M/smol.part.$p" ] && [ -f "$M/smol.part.$p.aa" ] && [ -f "$M/smol.part.$p.ab" ]; then
+        cat "$M/smol.part.$p.aa" "$M/smol.part.$p.ab" > "$M/smol.part.$p"
+    fi
+done
 # The third part is carried, or staged like the first two (`stage ac`) when the call's carry would pass 64 MiB.
 third=.devcarry/smol.part.ac; [ -f "$third" ] || third="$M/smol.part.ac"
 for part in "$M/smol.part.aa" "$M/smol.part.ab" "$third"; do

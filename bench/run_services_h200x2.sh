@@ -7,6 +7,8 @@
 #   call 3, carry [".devcarry/smol.part.ac", ".devcarry/wmin"]:  SPECWIRE_COMMIT=<sha> bash bench/run_services_h200x2.sh
 #
 # Three parts: the tree that travels is about 33 MB (the heads and results), and a call carries 64 MiB in all.
+# Since the tree passed 33.8 MB a whole part no longer fits beside it: stage halves, six calls
+# (`stage aa.aa`, `stage aa.ab`, ... `stage ac.ab`, each carrying its .devcarry/smol.part.??.a?).
 # A call that must carry more (.devcarry/old for an A/B) stages the third part too (`stage ac`, carry
 # [".devcarry/smol.part.ac"]) and carries none: bench/join_model.sh takes it from the machine.
 #

