@@ -352,7 +352,8 @@ class EagleProposer:
     ) -> None:
         """Rewrite every input of rows [0, size) on the host, live rows from the requests, the rest as
         padding (trash slot, nothing pending, greedy), then send them over in one copy. Features already on
-        the device are copied there after it (and the copy leaves the features out when all are)."""
+        the device (a co-located verifier's) go into their cells after it in one gather, whose cell indices
+        travel in that copy (and the copy leaves the features out when all are on the device)."""
         B, T = len(requests), self._T
         self._inputs.wait_free()
         round_trace.mark("d.inputs_free")
