@@ -369,6 +369,19 @@ def test_flags_build_options_from_args_and_env(monkeypatch, pki):
     assert channel.tls and channel.tls_ca == pki["ca"][0] and channel.tls_cert is None
 
 
+def test_the_verifier_bounds_its_drafter_channel_by_its_max_message_flag(monkeypatch, pki):
+    """--max-message-mb is the verifier's bound on every message, its steps to the drafter included (they
+    carry new prompts' features): the channel used to keep gRPC's 64 MiB whatever the flag said."""
+    from specwire.verifier.cli import drafter_channel
+
+    from specwire.cli import build_parser
+
+    monkeypatch.setenv("SPECWIRE_DRAFTER_TLS_CA", pki["ca"][0])
+    args = build_parser("verifier").parse_args(["verifier", "--max-message-mb", "256"])
+    channel = drafter_channel(args)
+    assert channel.max_message_bytes == 256 * 1024 * 1024 and channel.tls_ca == pki["ca"][0]
+
+
 def test_run_sets_the_switch_interval_for_the_service_and_refuses_nonsense():
     """A service's event loop runs under the --switch-interval it was given (the model thread's wait for the
     GIL after a device wait is bounded by it); zero, negative and absurd values are refused up front."""

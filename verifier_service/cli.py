@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 
 from specwire.drafter.cli import add_min_confidence_argument
@@ -105,6 +106,13 @@ def parse_aux_layers(text: str, num_layers: int) -> tuple[int, ...]:
     return layers
 
 
+def drafter_channel(args: argparse.Namespace) -> grpc_common.ChannelOptions:
+    """The channel to the drafter: its --drafter-tls-* flags, and --max-message-mb as for the server (a step
+    carries new prompts' features, up to 3/4 of it: scheduler._send_step)."""
+    options = grpc_common.ChannelOptions.from_args(args, prefix="drafter-")
+    return dataclasses.replace(options, max_message_bytes=int(args.max_message_mb * 1024 * 1024))
+
+
 def load_engine(args: argparse.Namespace):
     """(engine, tokenizer, model name) from the flags; the engine taps the aux layers only with a drafter."""
     from specwire.engine import TargetEngine, device_and_dtype  # torch loads here, once the flags are valid
@@ -155,7 +163,7 @@ async def serve(args: argparse.Namespace) -> None:
     settings = VerifierSettings(
         drafter=args.drafter if args.k > 0 else None,
         drafter_socket=args.drafter_socket,
-        drafter_channel=grpc_common.ChannelOptions.from_args(args, prefix="drafter-"),
+        drafter_channel=drafter_channel(args),
         step_timeout=args.draft_timeout,
         scheduler=SchedulerConfig(num_speculative_tokens=args.k, max_waiting=args.max_waiting,
                                   default_max_tokens=args.default_max_tokens, draft_top_k=args.draft_top_k,
