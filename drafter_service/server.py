@@ -81,7 +81,7 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES):
         """Refuses handshakes until `load`. draining: set when the server drains; open Draft streams then
         end, so verifiers fall back at once instead of waiting out the grace period. max_message_bytes:
-        the step socket's bound (gRPC's is the server's)."""
+        the step socket's bound (gRPC's is the server's), told to verifiers in the handshake."""
         self.metrics, self.draining = metrics, draining or asyncio.Event()
         self.max_message_bytes = max_message_bytes
         self.proposer: EagleProposer | None = None
@@ -99,7 +99,7 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
             aux_layers=list(head.aux_layers) if head.arch == "eagle3" else [],
             max_num_drafts=proposer.max_drafts, max_requests=proposer.max_requests,
             max_branches=proposer.max_branches, chains=proposer.max_branches > 0,
-            feature_dtype=_FEATURE_DTYPES[proposer.head.dtype],
+            feature_dtype=_FEATURE_DTYPES[proposer.head.dtype], max_message_bytes=self.max_message_bytes,
         )
         self.proposer = proposer
 

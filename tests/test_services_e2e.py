@@ -99,18 +99,21 @@ class Drafter:
     """A real drafter server; `service_class` lets a test swap in a misbehaving servicer."""
 
     def __init__(self, loop: Loop, checkpoint, fingerprint: str, port: int = 0, service_class=DrafterService,
-                 device: str = "cpu", step_socket: str | None = None):
+                 device: str = "cpu", step_socket: str | None = None,
+                 max_message_bytes: int = grpc_common.DEFAULT_MAX_MESSAGE_BYTES):
         """step_socket: also serve the Draft stream on this Unix socket path."""
         self.loop, self.metrics = loop, DrafterMetrics()
         config, sd = checkpoint
         proposer = EagleProposer(bigram_head(config, sd, device), max_requests=48, max_context=MAX_CONTEXT,
                                  max_drafts=K, max_top_k=16, max_branches=BRANCHES)
-        self.port = loop.run(self._start(port, service_class, proposer, config, fingerprint, step_socket))
+        self.port = loop.run(self._start(port, service_class, proposer, config, fingerprint, step_socket,
+                                         max_message_bytes))
 
-    async def _start(self, port, service_class, proposer, config, fingerprint, socket_path) -> int:
+    async def _start(self, port, service_class, proposer, config, fingerprint, socket_path, max_bytes) -> int:
         # grpc.aio objects belong to the loop they are made on
-        self.server = grpc_common.GrpcServer(grpc_common.ServerOptions(listen=f"127.0.0.1:{port}"))
-        self.service = service_class(self.metrics, self.server.draining)
+        self.server = grpc_common.GrpcServer(grpc_common.ServerOptions(listen=f"127.0.0.1:{port}",
+                                                                       max_message_bytes=max_bytes))
+        self.service = service_class(self.metrics, self.server.draining, max_bytes)
         self.service.load(proposer, config, fingerprint, "eagle1:bigram")
         self.server.add_service(grpc_common.DRAFTER_SERVICE, drafter_pb2_grpc.add_DrafterServicer_to_server,
                                 self.service)
@@ -610,19 +613,29 @@ def test_greedy_with_serial_drafting_equals_target_only(world):
         assert v.counter(v.metrics.num_accepted_tokens) > 0
 
 
-def test_steps_stay_under_the_message_limit_prompts_waiting_their_turn(world):
-    """Prompts whose features pass the drafter channel's message limit together go over a few a step (whole
-    requests, 3/4 of the limit for features); one that alone would pass it is never drafted. Before, such a
-    step failed to send, the stream broke, every request was re-sent whole, and it broke again (the 8B shape
-    at batch 32: 130 MB of prompt features against 64 MiB). Output stays target-only's; no stream breaks."""
-    row = 4 * H  # a token's float32 features
+@pytest.mark.parametrize("bounded", ["verifier", "drafter"])
+def test_steps_stay_under_the_message_limit_prompts_waiting_their_turn(world, bounded):
+    """Prompts whose features pass a message bound together go over a few a step (whole requests, 3/4 of the
+    bound for features); one that alone would pass it is never drafted. The bound is the verifier's own
+    (its channel's) or the drafter's (it says it in the handshake), whichever is smaller. Before, such a step
+    failed, the stream broke, every request was re-sent whole, and it broke again (the 8B shape at batch 32:
+    130 MB of prompt features against 64 MiB). Output stays target-only's; no stream breaks."""
+    bound = 40 * (4 * H) * 4 // 3  # 3/4 of it: 40 tokens' float32 features a step
     batch = [p[:1] * 16 for p in prompts(6, seed=23)] + [prompts(1, seed=24)[0][:1] * 60]
-    with verifier_of_the_world_drafter(world, max_message_bytes=40 * row * 4 // 3, cache_branches=0) as v:
+    drafter = Drafter(world.loop, world.checkpoint, world.tokenizer.fingerprint,
+                      **({"max_message_bytes": bound} if bounded == "drafter" else {}))
+    v = Verifier(world.loop, world.checkpoint, world.tokenizer, drafter.port, cache_branches=0,
+                 **({"max_message_bytes": bound} if bounded == "verifier" else {}))
+    try:
+        v.wait_connected()
         results = generate_all(v, batch, max_tokens=20)
         assert [r[0] for r in results] == greedy_reference(world.checkpoint, batch, 20)
         assert all(r[2].usage.draft_tokens > 0 for r in results[:6])  # 15 rows each: two a step
         assert results[6][2].usage.draft_tokens == 0  # 59 rows: never fits the 40 a step may carry
         assert v.counter(v.metrics.fallbacks["down"]) == 0
+    finally:
+        v.close()
+        drafter.kill()
 
 
 def test_target_only_rounds_on_the_worker_hand_back_for_news(world):

@@ -38,6 +38,12 @@ def _describe(info: pb.DrafterInfo) -> str:
     return f"head {info.head!r}, feature_dim {info.feature_dim}, max_branches {info.max_branches}"
 
 
+def step_feature_bytes(own_bound: int, drafter_bound: int) -> int:
+    """What one step's prompt features may take: 3/4 of the smaller of the two message bounds (the rest is
+    room for token ids and wants); drafter_bound 0: the drafter did not say."""
+    return min(own_bound, drafter_bound or own_bound) * 3 // 4
+
+
 _EXPIRED = object()  # a step future's result at its deadline: `result` counts the timeout and returns None
 
 
@@ -198,8 +204,7 @@ class DrafterLink(_StepResults):
         self.target, self.metrics, self.socket_path = target, metrics, socket_path
         self.feature_device: torch.device | None = None  # features travel in the steps, as bytes
         self.channel_options = channel_options or grpc_common.ChannelOptions()
-        # What a step's features may take: the message limit less room for its token ids and wants.
-        self.max_step_bytes = self.channel_options.max_message_bytes * 3 // 4
+        self.max_step_bytes = step_feature_bytes(self.channel_options.max_message_bytes, 0)
         self.handshake = pb.HandshakeRequest()
         self.check_info: Callable[[pb.DrafterInfo], None] = lambda info: None
         self.step_timeout, self.max_in_flight, self.backoff = step_timeout, max_in_flight, backoff
@@ -301,6 +306,8 @@ class DrafterLink(_StepResults):
             raise HandshakeRefused(response.message or "drafter said no without a reason")
         self.check_info(response.drafter)
         self.info = response.drafter
+        self.max_step_bytes = step_feature_bytes(self.channel_options.max_message_bytes,
+                                                 response.drafter.max_message_bytes)
         if self.socket_path is None:
             self._call = call = stub.Draft()
         else:

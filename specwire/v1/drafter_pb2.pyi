@@ -60,7 +60,7 @@ class HandshakeRequest(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., feature_dim: _Optional[int] = ..., num_layers: _Optional[int] = ...) -> None: ...
 
 class DrafterInfo(_message.Message):
-    __slots__ = ("head", "feature_dim", "aux_layers", "max_num_drafts", "max_requests", "feature_dtype", "max_branches", "chains")
+    __slots__ = ("head", "feature_dim", "aux_layers", "max_num_drafts", "max_requests", "feature_dtype", "max_branches", "chains", "max_message_bytes")
     HEAD_FIELD_NUMBER: _ClassVar[int]
     FEATURE_DIM_FIELD_NUMBER: _ClassVar[int]
     AUX_LAYERS_FIELD_NUMBER: _ClassVar[int]
@@ -69,6 +69,7 @@ class DrafterInfo(_message.Message):
     FEATURE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     MAX_BRANCHES_FIELD_NUMBER: _ClassVar[int]
     CHAINS_FIELD_NUMBER: _ClassVar[int]
+    MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     head: str
     feature_dim: int
     aux_layers: _containers.RepeatedScalarFieldContainer[int]
@@ -77,7 +78,8 @@ class DrafterInfo(_message.Message):
     feature_dtype: DType
     max_branches: int
     chains: bool
-    def __init__(self, head: _Optional[str] = ..., feature_dim: _Optional[int] = ..., aux_layers: _Optional[_Iterable[int]] = ..., max_num_drafts: _Optional[int] = ..., max_requests: _Optional[int] = ..., feature_dtype: _Optional[_Union[DType, str]] = ..., max_branches: _Optional[int] = ..., chains: _Optional[bool] = ...) -> None: ...
+    max_message_bytes: int
+    def __init__(self, head: _Optional[str] = ..., feature_dim: _Optional[int] = ..., aux_layers: _Optional[_Iterable[int]] = ..., max_num_drafts: _Optional[int] = ..., max_requests: _Optional[int] = ..., feature_dtype: _Optional[_Union[DType, str]] = ..., max_branches: _Optional[int] = ..., chains: _Optional[bool] = ..., max_message_bytes: _Optional[int] = ...) -> None: ...
 
 class HandshakeResponse(_message.Message):
     __slots__ = ("ok", "message", "drafter", "protocol_version")
