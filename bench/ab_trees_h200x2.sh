@@ -8,9 +8,8 @@
 #       --exclude=drafter_service/heads --exclude=bench/results --exclude=docs --exclude=tests --exclude=k8s
 #   (this tree's heads are linked in; the rest is not run, and the carry is at most 64 MiB)
 #
-# SmolLM2, after the two staging calls of run_services_h200x2.sh, carry [".devcarry/smol.part.ac",
-# ".devcarry/wmin", ".devcarry/old"] (too much with this tree's size: stage ac as a third call and carry
-# [".devcarry/wmin", ".devcarry/old"]):
+# SmolLM2, after the six staging calls of halves (run_services_h200x2.sh `stage aa.aa` ... `stage ac.ab`),
+# carry [".devcarry/wmin", ".devcarry/old"]:
 #   BEFORE=<sha> AFTER=<sha> bash bench/ab_trees_h200x2.sh --workloads smollm2 --setups target_only,two_gpus_socket \
 #       --smollm2-cache off --batch-sizes 1,16 --temperatures 0 --sweep-ks '' --repeats 20
 # The 8B shape, carry [".devcarry/wmin", ".devcarry/old"]:

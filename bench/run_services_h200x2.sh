@@ -1,18 +1,17 @@
 #!/usr/bin/env bash
-# Runs ON a lent nvidia-h200-x2 machine (the device tool), from the repo root, in two calls made one straight
-# after the other (the machine stays warm 30 s between them; bench/README.md has the exact calls):
+# Runs ON a lent nvidia-h200-x2 machine (the device tool), from the repo root, in calls made one straight after
+# the other (the machine stays warm 30 s between them; bench/README.md has the exact calls): six that stage the
+# model in halves, then the run.
 #
-#   call 1, carry [".devcarry/smol.part.aa"]:                    bash bench/run_services_h200x2.sh stage aa
-#   call 2, carry [".devcarry/smol.part.ab"]:                    bash bench/run_services_h200x2.sh stage ab
-#   call 3, carry [".devcarry/smol.part.ac", ".devcarry/wmin"]:  SPECWIRE_COMMIT=<sha> bash bench/run_services_h200x2.sh
+#   calls 1-6, carry [".devcarry/smol.part.XX.YY"]:  bash bench/run_services_h200x2.sh stage XX.YY
+#                    (XX.YY = aa.aa, aa.ab, ab.aa, ab.ab, ac.aa, ac.ab)
+#   call 7, carry [".devcarry/wmin"]:              SPECWIRE_COMMIT=<sha> bash bench/run_services_h200x2.sh
 #
-# Three parts: the tree that travels is about 33 MB (the heads and results), and a call carries 64 MiB in all.
-# Since the tree passed 33.8 MB a whole part no longer fits beside it: stage halves, six calls
-# (`stage aa.aa`, `stage aa.ab`, ... `stage ac.ab`, each carrying its .devcarry/smol.part.??.a?).
-# A call that must carry more (.devcarry/old for an A/B) stages the third part too (`stage ac`, carry
-# [".devcarry/smol.part.ac"]) and carries none: bench/join_model.sh takes it from the machine.
+# The tree that travels is about 34 MB (the heads and results) and a call carries 64 MiB in all, so the 98 MB
+# GGUF goes in halves of 16.5 MB (bench/stage_device.sh makes them; bench/join_model.sh joins them on the
+# machine). Whole parts (`stage aa`, carry [".devcarry/smol.part.aa"]) still work while the tree is small.
 #
-# Call 3 joins the model, runs bench/bench_services.py's default grid (SmolLM2 + shipped head, and the synthetic
+# The run joins the model, runs bench/bench_services.py's default grid (SmolLM2 + shipped head, and the synthetic
 # Llama-3.1-8B shape at forced mean acceptance lengths 3, 2, 4, with a forced cache hit rate of 0.8 and
 # without the cache; drafter on GPU 0, verifier on GPU 1), starting
 # no configuration after BUDGET seconds (default 500), then plots. $OUT gets services_h200x2.json,
