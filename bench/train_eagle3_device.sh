@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Train the EAGLE-3 head for the default model on one lent GPU, and measure it beside the shipped head.
 # Calls, one straight after the other (the machine stays warm 30 s between them):
-#   carry [".devcarry/smol.part.aa"]:  bash bench/run_services_h200x2.sh stage aa
-#   carry [".devcarry/smol.part.ab"]:  bash bench/run_services_h200x2.sh stage ab
+#   six calls, carry [".devcarry/smol.part.XX.YY"]:  bash bench/run_services_h200x2.sh stage XX.YY
+#     (XX.YY = aa.aa, aa.ab, ab.aa, ab.ab, ac.aa, ac.ab: the model in halves, as the tree now asks)
 #   (to continue from a head brought back earlier, in .devcarry/init_head:
 #    carry [".devcarry/init_head"]:  bash bench/train_eagle3_device.sh stage-head)
-#   carry [".devcarry/smol.part.ac", ".devcarry/wmin", ".devcarry/data.tgz"]:  bash bench/train_eagle3_device.sh start
+#   carry [".devcarry/wmin", ".devcarry/data.tgz"]:  bash bench/train_eagle3_device.sh start
 #   bash bench/train_eagle3_device.sh follow        (as often as the training needs)
 #   bash bench/train_eagle3_device.sh finish
 # start: joins the model, copies this tree to /root/work (the run outlives the call while the machine stays
