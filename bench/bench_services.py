@@ -282,8 +282,8 @@ def compare(row: dict, base: dict | None, real_model: bool) -> dict:
     if real_model and row["temperature"] == 0:
         pairs = list(zip(row["_outputs"], base["_outputs"], strict=True))
         out["output_equal_rate"] = sum(a == b for a, b in pairs) / len(pairs)
-        # Where an output parts from target-only's (up to 8): a lone late divergence at a near tie is bf16
-        # batch variance (the two runs batch the request differently); a bug would show early and often.
+        # Where an output parts from target-only's (up to 8): a lone late divergence suggests bf16 batch
+        # variance at a near tie (the two runs batch the request differently); a bug would show early, often.
         out["output_mismatches"] = [_mismatch(i, a, b) for i, (a, b) in enumerate(pairs) if a != b][:8]
     steps, base_steps = row["round_ms"]["steps"], base["round_ms"]["steps"]
     if (per_verification := tokens_per_verification(row)) is not None:

@@ -94,6 +94,11 @@ def add_model_arguments(parser: argparse.ArgumentParser, dtype_of: str) -> None:
 _RECORD_FIELDS = set(logging.LogRecord("", 0, "", 0, "", (), None).__dict__) | {"message", "asctime"}
 
 
+def _extra_fields(record: logging.LogRecord) -> dict[str, Any]:
+    """The fields a log call passed as `extra=`."""
+    return {k: v for k, v in record.__dict__.items() if k not in _RECORD_FIELDS}
+
+
 class JsonFormatter(logging.Formatter):
     """One JSON object per line: ts, level, logger, msg, then the record's `extra=` fields."""
 
@@ -104,7 +109,7 @@ class JsonFormatter(logging.Formatter):
             "logger": record.name,
             "msg": record.getMessage(),
         }
-        line.update((k, v) for k, v in record.__dict__.items() if k not in _RECORD_FIELDS)
+        line.update(_extra_fields(record))
         if record.exc_info:
             line["exc"] = self.formatException(record.exc_info)
         return json.dumps(line, default=str)
@@ -118,7 +123,7 @@ class TextFormatter(logging.Formatter):
         super().__init__("%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     def format(self, record: logging.LogRecord) -> str:
-        extras = " ".join(f"{k}={v!r}" for k, v in record.__dict__.items() if k not in _RECORD_FIELDS)
+        extras = " ".join(f"{k}={v!r}" for k, v in _extra_fields(record).items())
         line = super().format(record)
         return f"{line} {extras}" if extras else line
 

@@ -378,7 +378,7 @@ def test_the_verifier_bounds_its_drafter_channel_by_its_max_message_flag(monkeyp
 
     monkeypatch.setenv("SPECWIRE_DRAFTER_TLS_CA", pki["ca"][0])
     args = build_parser("verifier").parse_args(["verifier", "--max-message-mb", "256"])
-    channel = drafter_channel(args)
+    channel = drafter_channel(args, ServerOptions.from_args(args))
     assert channel.max_message_bytes == 256 * 1024 * 1024 and channel.tls_ca == pki["ca"][0]
 
 

@@ -106,11 +106,12 @@ def parse_aux_layers(text: str, num_layers: int) -> tuple[int, ...]:
     return layers
 
 
-def drafter_channel(args: argparse.Namespace) -> grpc_common.ChannelOptions:
-    """The channel to the drafter: its --drafter-tls-* flags, and --max-message-mb as for the server (a step
-    carries new prompts' features, up to 3/4 of it: scheduler._send_step)."""
+def drafter_channel(args: argparse.Namespace, server: grpc_common.ServerOptions
+                    ) -> grpc_common.ChannelOptions:
+    """The channel to the drafter: its --drafter-tls-* flags, and the server's message bound (a step carries
+    new prompts' features, up to 3/4 of it: scheduler._send_step)."""
     options = grpc_common.ChannelOptions.from_args(args, prefix="drafter-")
-    return dataclasses.replace(options, max_message_bytes=int(args.max_message_mb * 1024 * 1024))
+    return dataclasses.replace(options, max_message_bytes=server.max_message_bytes)
 
 
 def load_engine(args: argparse.Namespace):
@@ -160,10 +161,11 @@ async def serve(args: argparse.Namespace) -> None:
         metrics.serve(args.metrics_port)
     table_wait = None if args.table_wait_ms is None else args.table_wait_ms / 1e3
     jit_wait = None if args.just_in_time_wait_ms is None else args.just_in_time_wait_ms / 1e3
+    options = grpc_common.ServerOptions.from_args(args)
     settings = VerifierSettings(
         drafter=args.drafter if args.k > 0 else None,
         drafter_socket=args.drafter_socket,
-        drafter_channel=drafter_channel(args),
+        drafter_channel=drafter_channel(args, options),
         step_timeout=args.draft_timeout,
         scheduler=SchedulerConfig(num_speculative_tokens=args.k, max_waiting=args.max_waiting,
                                   default_max_tokens=args.default_max_tokens, draft_top_k=args.draft_top_k,
@@ -175,7 +177,7 @@ async def serve(args: argparse.Namespace) -> None:
                                   stream_interval=args.stream_interval,
                                   admit_wait=args.admit_wait_ms / 1e3),
     )
-    server = VerifierServer(grpc_common.ServerOptions.from_args(args), settings, metrics)
+    server = VerifierServer(options, settings, metrics)
 
     async def load() -> None:
         engine, tokenizer, name = await asyncio.to_thread(load_engine, args)
