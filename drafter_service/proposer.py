@@ -143,10 +143,11 @@ class EagleProposer:
         self._inputs = StagedInputs({
             "meta": ((5, n), torch.int32), "temperature": ((n,), torch.float32),
             "input_ids": ((n, T), torch.int64), "feature_cells": ((n * T,), torch.int64),
-            "features": ((n, T, head.config.feature_dim), head.dtype),
+            "settled_rows": ((n,), torch.int64), "features": ((n, T, head.config.feature_dim), head.dtype),
         }, dev)
-        self._meta, self._temperature, self._input_ids, self._feature_cells, self._features = (
-            self._inputs.tensors.values())
+        (self._meta, self._temperature, self._input_ids, self._feature_cells, self._settled_rows,
+         self._features) = self._inputs.tensors.values()
+        self._queued: tuple | None = None  # queue_after_verification's rows, until take_queued
         # Outputs, written by every (replayed) run: the proposer's own float32 buffers.
         self._tokens = torch.zeros(n, K, dtype=torch.int64, device=dev)
         self._top_idx = torch.zeros(n, K, max_top_k, dtype=torch.int64, device=dev)
@@ -240,20 +241,8 @@ class EagleProposer:
         a branch leaves them, and the last settled pair stays pending, so that table's first step re-feeds
         it (the same K/V) and reads the output that predicts the first draft."""
         B = len(request_ids)
-        if not len(num_drafts) == len(temperature) == len(top_k) == B:
-            raise ProposerError(
-                "request_ids, num_drafts, temperature and top_k must have one entry per request"
-            )
-        if len(set(request_ids)) != B:
-            raise ProposerError("request_ids has duplicates")
-        requests = [self._get(r) for r in request_ids]
-        for rid, req, k, t, tk in zip(request_ids, requests, num_drafts, temperature, top_k, strict=True):
-            if not 0 <= k <= self.max_drafts:
-                raise ProposerError(f"num_drafts {k} for {rid!r} out of range [0, {self.max_drafts}]")
-            if not t >= 0:
-                raise ProposerError(f"temperature {t} for {rid!r} must be >= 0")
-            if not 0 <= tk <= self.max_top_k:
-                raise ProposerError(f"top_k {tk} for {rid!r} out of range [0, {self.max_top_k}]")
+        requests = self._checked(request_ids, num_drafts, temperature, top_k)
+        for rid, req, k in zip(request_ids, requests, num_drafts, strict=True):
             if k > 0 and req.num_pending == 0:
                 raise ProposerError(f"request {rid!r} has no new tokens since its last proposal")
         if keep_chain and not self.max_branches:
@@ -297,6 +286,101 @@ class EagleProposer:
             for r, k in zip(requests, ks, strict=True):
                 r.chain, first = ids[first:first + k], first + k
         return proposal
+
+    def _checked(self, request_ids: list[str], num_drafts: list[int], temperature: list[float],
+                 top_k: list[int]) -> list[_Request]:
+        """The requests of a draft call, its per-request arguments checked."""
+        if not len(num_drafts) == len(temperature) == len(top_k) == len(request_ids):
+            raise ProposerError(
+                "request_ids, num_drafts, temperature and top_k must have one entry per request"
+            )
+        if len(set(request_ids)) != len(request_ids):
+            raise ProposerError("request_ids has duplicates")
+        if self._queued is not None:
+            raise ProposerError("drafts queued after a verification are not taken yet (take_queued)")
+        requests = [self._get(r) for r in request_ids]
+        for rid, k, t, tk in zip(request_ids, num_drafts, temperature, top_k, strict=True):
+            if not 0 <= k <= self.max_drafts:
+                raise ProposerError(f"num_drafts {k} for {rid!r} out of range [0, {self.max_drafts}]")
+            if not t >= 0:
+                raise ProposerError(f"temperature {t} for {rid!r} must be >= 0")
+            if not 0 <= tk <= self.max_top_k:
+                raise ProposerError(f"top_k {tk} for {rid!r} out of range [0, {self.max_top_k}]")
+        return requests
+
+    @torch.no_grad()
+    @on_own_device
+    def queue_after_verification(
+        self,
+        request_ids: list[str],
+        settled: torch.Tensor,
+        rows: list[int],
+        features: torch.Tensor,
+        feature_cells: list[int],
+        num_drafts: list[int],
+        temperature: list[float],
+        top_k: list[int],
+    ) -> None:
+        """Serial drafting that never returns to the host between a verification and its next drafts: the
+        draft of the tokens a verification settles is queued on the device right behind its sampler, before
+        the host knows them. take_queued(counts) then reads the drafts and commits the settled tokens.
+
+        settled: the sampler's packed output [N, >= 2] int64 (per row: how many tokens it settled, -1 for a
+        failed row, then the tokens), on any device; rows[b]: request b's row of it. features: [M,
+        feature_dim] on this device (a co-located verifier's feature store, flattened), and feature_cells[b *
+        (max_drafts + 1) + j] its row holding the target feature before request b's j-th settled token (rows
+        past what settles are read and ignored). A request must have nothing pending: its last tokens were
+        drafted from (propose, or a queue taken). num_drafts as propose's, clipped so that any number of
+        settled tokens fits the context."""
+        B, T = len(request_ids), self._T
+        requests = self._checked(request_ids, num_drafts, temperature, top_k)
+        if not len(rows) == B or len(feature_cells) != B * T:
+            raise ProposerError(f"rows and feature_cells need {B} and {B * T} entries, got {len(rows)} and "
+                                f"{len(feature_cells)}")
+        if pending := [rid for rid, r in zip(request_ids, requests, strict=True) if r.num_pending]:
+            raise ProposerError(f"request {pending[0]!r} has tokens pending: not drafted on the device")
+        if B == 0:
+            return
+        for r in requests:
+            self._take_branch(r, None)
+        ks = [max(0, min(k, self.max_context - r.num_cached - T + 1))
+              for r, k in zip(requests, num_drafts, strict=True)]
+        size = next((s for s in self.graph_sizes if s >= B), B)
+        self._inputs.wait_free()
+        self._stage_meta(requests, [0] * B, ks, temperature, top_k, size)  # pending: from `settled` below
+        host = self._inputs.host
+        host["input_ids"][:size] = 0
+        host["feature_cells"][:B * T] = feature_cells
+        host["settled_rows"][:B] = rows
+        self._inputs.send("features", 0)
+        mine = settled.to(self.device, non_blocking=True).index_select(0, self._settled_rows[:B])
+        width = min(T, mine.shape[1] - 1)
+        self._meta[self._PENDING, :B] = mine[:, 0].clamp(0, T)
+        self._input_ids[:B, :width] = mine[:, 1:1 + width].clamp_min(0)  # -1 pads past the settled ones
+        F = self.head.config.feature_dim
+        torch.index_select(features, 0, self._feature_cells[:B * T], out=self._features[:B].view(B * T, F))
+        sampled = [tk for t, tk, k in zip(temperature, top_k, ks, strict=True) if t > 0 and k > 0]
+        mode = "greedy" if not sampled else "top_k" if all(sampled) else "full"
+        graph = self.graphs.get((size, mode))
+        if graph is not None:
+            graph.replay()
+        else:
+            self._draft_loop(size, mode, steps=max(ks))
+        self._queued = (requests, ks, temperature, top_k)
+
+    def take_queued(self, counts: list[int]) -> Proposal:
+        """The drafts queued by queue_after_verification (waits for them), once the host has read how many
+        tokens each request settled (its sampler count, 0 for a failed row): those tokens are committed."""
+        if self._queued is None:
+            return self._empty_proposal()
+        (requests, ks, temperature, top_k), self._queued = self._queued, None
+        if len(counts) != len(requests):
+            raise ProposerError(f"{len(counts)} counts for {len(requests)} queued requests")
+        for r, n in zip(requests, counts, strict=True):
+            r.num_cached += n
+        if self.min_confidence:
+            ks = [min(k, n) for k, n in zip(ks, self._confident[:len(ks)].tolist(), strict=True)]
+        return self._proposal(ks, temperature, top_k)
 
     def _prefill_overflow(self, requests: list[_Request]) -> None:
         """Commit pending pairs beyond the graph's first-step width (new prompts), keeping one: by the
@@ -354,14 +438,11 @@ class EagleProposer:
         padding (trash slot, nothing pending, greedy), then send them over in one copy. Features already on
         the device (a co-located verifier's) go into their cells after it in one gather, whose cell indices
         travel in that copy (and the copy leaves the features out when all are on the device)."""
-        B, T = len(requests), self._T
+        T = self._T
         self._inputs.wait_free()
         round_trace.mark("d.inputs_free")
-        meta, temps, ids, cells, features = self._inputs.host.values()
-        meta[:, :B] = [[r.slot for r in requests], [r.num_cached for r in requests],
-                       [r.num_pending for r in requests], ks, top_k]
-        meta[:, B:size] = np.array([[self.cache.trash_slot], [0], [0], [0], [0]])
-        temps[:B], temps[B:size] = temperature, 0.0
+        self._stage_meta(requests, [r.num_pending for r in requests], ks, temperature, top_k, size)
+        ids, cells, features = (self._inputs.host[n] for n in ("input_ids", "feature_cells", "features"))
         ids[:size] = 0
         on_device, num_cells, host_rows = [], 0, False  # on_device: features to put in cells[:num_cells]
         for b, r in enumerate(requests):
@@ -381,6 +462,15 @@ class EagleProposer:
         if on_device:  # one gather: a copy per request took 0.28 ms of a batch-16 step (session 17)
             joined = torch.cat(on_device) if len(on_device) > 1 else on_device[0]
             self._features.view(-1, joined.shape[1]).index_copy_(0, self._feature_cells[:num_cells], joined)
+
+    def _stage_meta(self, requests: list[_Request], pending: list[int], ks: list[int],
+                    temperature: list[float], top_k: list[int], size: int) -> None:
+        """Rows [0, size) of the metadata and temperatures on the host: the requests', then padding (trash
+        slot, nothing pending, greedy)."""
+        B, meta, temps = len(requests), self._inputs.host["meta"], self._inputs.host["temperature"]
+        meta[:, :B] = [[r.slot for r in requests], [r.num_cached for r in requests], pending, ks, top_k]
+        meta[:, B:size] = np.array([[self.cache.trash_slot], [0], [0], [0], [0]])
+        temps[:B], temps[B:size] = temperature, 0.0
 
     def _draft_loop(self, size: int, mode: str, steps: int | None = None, keep_chain: bool = False) -> None:
         """The graph body: first step over the pending pairs, then max_drafts - 1 single-token steps.
@@ -570,17 +660,13 @@ class EagleProposer:
         B = len(request_ids)
         if not self.max_branches:
             raise ProposerError("this drafter was built without branch slots (max_branches = 0)")
-        if not len(verifying) == len(num_branches) == len(num_drafts) == len(temperature) == len(top_k) == B:
+        if not len(verifying) == len(num_branches) == B:
             raise ProposerError("every argument of draft_branches needs one entry per request")
-        if len(set(request_ids)) != B:
-            raise ProposerError("request_ids has duplicates")
-        requests = [self._get(r) for r in request_ids]
-        for rid, n, k, t, tk in zip(request_ids, num_branches, num_drafts, temperature, top_k, strict=True):
+        requests = self._checked(request_ids, num_drafts, temperature, top_k)
+        for rid, n, t, tk in zip(request_ids, num_branches, temperature, top_k, strict=True):
             if not 0 <= n <= self.max_branches:
                 raise ProposerError(f"num_branches {n} for {rid!r} out of range [0, {self.max_branches}]")
-            if not 0 <= k <= self.max_drafts:
-                raise ProposerError(f"num_drafts {k} for {rid!r} out of range [0, {self.max_drafts}]")
-            if not (t >= 0 and 0 <= tk <= self.max_top_k and (t == 0 or tk > 0)):
+            if t > 0 and tk == 0:
                 raise ProposerError(f"request {rid!r}: branch drafts are greedy or top-K sampled "
                                     f"(temperature {t}, top_k {tk}; top_k in [1, {self.max_top_k}])")
         for rid, req, index in zip(request_ids, requests, verifying, strict=True):

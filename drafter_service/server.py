@@ -87,6 +87,8 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
         self.proposer: EagleProposer | None = None
         self._streams = itertools.count()
         self._known: dict[str, int] = {}  # proposer key -> tokens the drafter holds for it
+        self._queued: list[str] = []  # keys of queue_drafts, until take_drafts
+        self._queue_seconds = 0.0
         self._profiler = StepProfiler("drafter")
         round_trace.start("drafter")
 
@@ -239,6 +241,42 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
         self.metrics.draft_step_time.observe(result.compute_seconds)
         self.metrics.num_requests.set(len(self._known))
         return result
+
+    # A co-located verifier's serial drafts without a DraftStep: queued on the device behind its sampler,
+    # taken once it has read how many tokens each request settled (proposer.queue_after_verification).
+
+    @torch.inference_mode()
+    def queue_drafts(self, stream: int, request_ids: list[str], num_drafts: list[int],
+                     temperature: list[float], top_k: list[int], settled: torch.Tensor, rows: list[int],
+                     features: torch.Tensor, feature_cells: list[int]) -> None:
+        """Drafts for the tokens the sampler output `settled` holds for these requests (rows[b]: request b's
+        row), each request's features at feature_cells[b * (max_drafts + 1):] of `features`. Every request
+        must be held, with its last tokens drafted from."""
+        p, started = self.proposer, time.perf_counter()
+        keys = [f"{stream}/{rid}" for rid in request_ids]
+        if unknown := [rid for rid, key in zip(request_ids, keys, strict=True) if key not in self._known]:
+            raise ProposerError(f"unknown request {unknown[0]!r}")
+        top_k = [min(tk, p.max_top_k) if t > 0 else 0 for t, tk in zip(temperature, top_k, strict=True)]
+        p.queue_after_verification(keys, settled, rows, features, feature_cells,
+                                   [min(k, p.max_drafts) for k in num_drafts], temperature, top_k)
+        self._queued, self._queue_seconds = keys, time.perf_counter() - started
+
+    def take_drafts(self, owned: set[str], counts: list[int] | None) -> Proposal | None:
+        """The queued drafts, once `counts` (tokens each request settled) are known. counts None: the
+        verification's result was lost, so what the drafter holds of these requests is unknown: they are
+        freed (the verifier re-sends them whole) and no drafts come back."""
+        started, keys, self._queued = time.perf_counter(), self._queued, []
+        proposal = self.proposer.take_queued([0] * len(keys) if counts is None else counts)
+        if counts is None:
+            for key in keys:
+                self._free(key, owned)
+            return None
+        for key, n in zip(keys, counts, strict=True):
+            self._known[key] += n
+        self.metrics.forward_steps_by_mode["cuda_graph" if self.proposer.graphs else "eager"].inc()
+        self.metrics.draft_tokens.inc(int(proposal.num_drafts.sum()))
+        self.metrics.draft_step_time.observe(self._queue_seconds + time.perf_counter() - started)
+        return proposal
 
     def _apply(self, key: str, owned: set[str], update: pb.RequestUpdate, features: torch.Tensor | None
                ) -> None:

@@ -36,6 +36,9 @@ def colocated_link(engine: TargetEngine, tokenizer: Tokenizer, metrics: Verifier
         proposer, name = build_proposer(args, engine.config, shared)
     service = DrafterService(DrafterMetrics())
     service.load(proposer, engine.config, tokenizer.fingerprint, name)
-    run_step = functools.partial(service.run_step, 0, set())
-    return LocalDrafterLink(run_step, service.info, service.mismatch, metrics, proposer.device,
-                            step_timeout=step_timeout, inline=proposer.device.type == "cuda")
+    owned: set[str] = set()  # the requests of this link's one stream (stream 0)
+    return LocalDrafterLink(functools.partial(service.run_step, 0, owned), service.info, service.mismatch,
+                            metrics, proposer.device, step_timeout=step_timeout,
+                            inline=proposer.device.type == "cuda",
+                            queue=functools.partial(service.queue_drafts, 0),
+                            take=functools.partial(service.take_drafts, owned))

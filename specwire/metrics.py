@@ -201,6 +201,11 @@ class VerifierMetrics(_ServiceMetrics):
             ["mode"],
         )
         self.drafting_rounds = {m: self.spec_cache_rounds.labels(mode=m) for m in DRAFTING_MODES}
+        self.queued_drafts = c(
+            "queued_drafts",
+            "Requests whose next drafts a co-located drafter queued on the device right behind the sampler "
+            "(serial drafting without a DraftStep), one per request and round.",
+        )
         self.requests_rejected = c(
             "requests_rejected", "Requests refused before they were queued, by error code.", ["code"]
         )

@@ -2,9 +2,10 @@
 bytes in its steps. Whatever the drafts, the output stays the target's, so only this test would see a wrong
 row: for every token of every request, the drafter must be handed the target's own feature (the three taps
 of an EAGLE-3 head), as a prefill of the request's final tokens computes them. More requests than slots, so
-slots are reused; serial drafting and speculation-cache tables both; on a GPU machine also with the drafter
-on another GPU than the target (the store's rows then cross devices). The random head's drafts are forced
-accepted at high rates (as the synthetic benchmarks do), so that rounds settle several tokens."""
+slots are reused; serial drafting (through DraftSteps, or queued on the device behind the sampler, where the
+features are gathered from the store by the device) and speculation-cache tables; on a GPU machine also with
+the drafter on another GPU than the target (the store's rows then cross devices). The random head's drafts
+are forced accepted at high rates (as the synthetic benchmarks do), so that rounds settle several tokens."""
 
 import asyncio
 import functools
@@ -28,11 +29,12 @@ from specwire.tokenizer import load_tokenizer
 K, SLOTS, REQUESTS, MAX_TOKENS = 3, 3, 7, 30
 
 
-async def generate(engine: TargetEngine, link: LocalDrafterLink, cache_branches: int) -> list[list[int]]:
+async def generate(engine: TargetEngine, link: LocalDrafterLink, cache_branches: int, queue_drafts: bool
+                   ) -> list[list[int]]:
     scheduler = Scheduler(engine, load_tokenizer(default_model_path()), VerifierMetrics(),
                           SchedulerConfig(num_speculative_tokens=K, cache_branches=cache_branches,
                                           table_wait=5.0, just_in_time_wait=5.0,
-                                          forced_acceptance=(0.9, 0.8, 0.7)), link)
+                                          forced_acceptance=(0.9, 0.8, 0.7), queue_drafts=queue_drafts), link)
     scheduler.start()
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(3, 30_000, (int(n),), generator=g).tolist()
@@ -55,8 +57,10 @@ def two_gpus():
 
 
 @pytest.mark.parametrize("devices", [("cpu", "cpu"), two_gpus()], ids=["cpu", "gpus"])
-@pytest.mark.parametrize("cache_branches", [0, 4])
-def test_the_colocated_drafter_is_handed_the_target_features_of_every_token(cache_branches, devices):
+@pytest.mark.parametrize("cache_branches, queue_drafts", [(0, False), (0, True), (4, False)],
+                         ids=["serial", "queued", "tables"])
+def test_the_colocated_drafter_is_handed_the_target_features_of_every_token(cache_branches, queue_drafts,
+                                                                          devices):
     drafter_device, verifier_device = devices
     config, sd = tiny_target()
     head = random_eagle_head(config, sd, torch.float32, drafter_device, MAX_CONTEXT)
@@ -74,11 +78,26 @@ def test_the_colocated_drafter_is_handed_the_target_features_of_every_token(cach
         append(request_id, request, tokens, features)
 
     proposer._append = record
+    queue = proposer.queue_after_verification
+
+    def record_queued(request_ids, *args):  # the rows the device gathered, as many as settled
+        queue(request_ids, *args)
+        pending = proposer._meta[proposer._PENDING].tolist()
+        for b, rid in enumerate(request_ids):
+            handed[rid].append(proposer._features[b, :pending[b]].to("cpu", copy=True))
+        queued.update(request_ids)
+
+    queued = set()
+    proposer.queue_after_verification = record_queued
     service = DrafterService(DrafterMetrics())
     service.load(proposer, config, load_tokenizer(default_model_path()).fingerprint, "eagle3:random")
-    link = LocalDrafterLink(functools.partial(service.run_step, 0, set()), service.info, service.mismatch,
-                            VerifierMetrics(), proposer.device, step_timeout=5.0)
-    outputs = asyncio.run(generate(engine, link, cache_branches))
+    owned = set()
+    link = LocalDrafterLink(functools.partial(service.run_step, 0, owned), service.info, service.mismatch,
+                            VerifierMetrics(), proposer.device, step_timeout=5.0,
+                            queue=functools.partial(service.queue_drafts, 0),
+                            take=functools.partial(service.take_drafts, owned))
+    outputs = asyncio.run(generate(engine, link, cache_branches, queue_drafts))
+    assert bool(queued) == queue_drafts
 
     reference = TargetEngine(checkpoint=(config, sd), device=verifier_device, dtype=torch.float32,
                              max_slots=1, max_context=MAX_CONTEXT, aux_layers=head.config.aux_layers)

@@ -142,8 +142,11 @@ def colocated(checkpoint, tokenizer, metrics: VerifierMetrics, inline: bool = Fa
                              max_top_k=16, max_branches=BRANCHES)
     service = DrafterService(DrafterMetrics())
     service.load(proposer, config, tokenizer.fingerprint, "eagle1:bigram")
-    return LocalDrafterLink(functools.partial(service.run_step, 0, set()), service.info, service.mismatch,
-                            metrics, proposer.device, step_timeout=5.0, inline=inline)
+    owned = set()
+    return LocalDrafterLink(functools.partial(service.run_step, 0, owned), service.info, service.mismatch,
+                            metrics, proposer.device, step_timeout=5.0, inline=inline,
+                            queue=functools.partial(service.queue_drafts, 0),
+                            take=functools.partial(service.take_drafts, owned))
 
 
 class Verifier:
@@ -151,7 +154,8 @@ class Verifier:
                  cache_branches: int = BRANCHES, step_timeout: float = 5.0, device: str = "cpu",
                  table_wait: float | None = 5.0, just_in_time_wait: float | None = 5.0,
                  max_waiting: int = 64, drafting_epoch: int = 0, drafter_socket: str | None = None,
-                 max_message_bytes: int = grpc_common.DEFAULT_MAX_MESSAGE_BYTES):
+                 max_message_bytes: int = grpc_common.DEFAULT_MAX_MESSAGE_BYTES,
+                 queue_drafts: bool | None = None):
         self.loop, self.metrics = loop, VerifierMetrics()
         self.engine = TargetEngine(checkpoint=checkpoint, device=device, dtype=torch.float32,
                                    max_slots=max_slots, max_context=MAX_CONTEXT)
@@ -163,7 +167,7 @@ class Verifier:
             scheduler=SchedulerConfig(num_speculative_tokens=K, max_waiting=max_waiting,
                                       default_max_tokens=16, cache_branches=cache_branches,
                                       table_wait=table_wait, just_in_time_wait=just_in_time_wait,
-                                      drafting_epoch=drafting_epoch),
+                                      drafting_epoch=drafting_epoch, queue_drafts=queue_drafts),
             model_name="tiny",
         )
         link = (colocated(checkpoint, tokenizer, self.metrics, inline=drafter_port == "colocated-inline")
@@ -559,6 +563,20 @@ def test_colocated_serial_drafting_on_the_loop_equals_target_only(world):
     try:
         greedy_equals_target_only(world, v, 8, seed=37)
         assert v.counter(v.metrics.num_draft_tokens) > 0 and v.counter(v.metrics.cache["hit"]) == 0
+    finally:
+        v.close()
+
+
+def test_colocated_drafts_queued_behind_the_sampler_equal_target_only(world):
+    """Serial drafting whose drafts are queued on the device behind each sampler (here a CPU's, in order):
+    target-only output with more requests than slots, so rounds mix queued rows with rows just admitted,
+    which get their first drafts through a DraftStep."""
+    v = Verifier(world.loop, world.checkpoint, world.tokenizer, "colocated-inline", cache_branches=0,
+                 queue_drafts=True, max_slots=3)
+    try:
+        greedy_equals_target_only(world, v, 8, seed=41)
+        queued, drafted = v.counter(v.metrics.queued_drafts), v.counter(v.metrics.num_draft_tokens)
+        assert queued > 0 and drafted > 0 and v.counter(v.metrics.cache["hit"]) == 0
     finally:
         v.close()
 

@@ -65,6 +65,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with the speculation cache: try epochs of this many rounds of serial drafting "
                              "beside the tables and keep to whichever gives more tokens/s (serial wins where "
                              "tables come late; e.g. 32; default 0: tables always)")
+    parser.add_argument("--queue-drafts", choices=("auto", "on", "off"),
+                        default=env("SPECWIRE_QUEUE_DRAFTS", "auto"),
+                        help="with --colocated and --cache-branches 0: queue each round's next drafts on the "
+                             "device right behind its sampler, with no DraftStep and no return to the host "
+                             "in between (default auto: on for a CUDA drafter)")
     parser.add_argument("--stream-interval", type=int, default=env("SPECWIRE_STREAM_INTERVAL", 1),
                         metavar="TOKENS",
                         help="tokens a stream's chunk gathers before it is sent; a request's first token and "
@@ -175,7 +180,8 @@ async def serve(args: argparse.Namespace) -> None:
                                   forced_acceptance=forced,
                                   forced_hit_rate=args.forced_hit_rate,
                                   stream_interval=args.stream_interval,
-                                  admit_wait=args.admit_wait_ms / 1e3),
+                                  admit_wait=args.admit_wait_ms / 1e3,
+                                  queue_drafts={"on": True, "off": False}.get(args.queue_drafts)),
     )
     server = VerifierServer(options, settings, metrics)
 

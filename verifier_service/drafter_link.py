@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import grpc
 import torch
+from specwire.kernels.rejection_sampler import DraftProbs
+from specwire.verifier.alignment import Drafts, Want
 
 from specwire import grpc_common, round_trace
 from specwire.metrics import VerifierMetrics
@@ -105,17 +107,25 @@ class LocalDrafterLink(_StepResults):
     Steps run on the drafter's own worker thread, except, with `inline`, a step without tables sent while
     the worker is idle: the loop runs it at once. Those are serial drafts, which the loop waits for next
     anyway; a hand-off to the worker and back cost about 0.1 ms each (bench/round_timeline.py). Tables stay
-    on the worker, drafted while the loop launches and collects the verification they are for."""
+    on the worker, drafted while the loop launches and collects the verification they are for.
+
+    Serial drafts may also skip the step altogether (`queue_drafts` / `take_drafts`): queued on the device
+    right behind the sampler of the verification that settles their tokens, they are ready when its tokens
+    are read, with no DraftStep built, applied or answered in between."""
 
     def __init__(self, run_step: Callable[[pb.DraftStep, dict[str, torch.Tensor]], pb.DraftResult],
                  info: pb.DrafterInfo, mismatch: Callable[[pb.HandshakeRequest], str],
                  metrics: VerifierMetrics, feature_device: torch.device, step_timeout: float = 0.5,
-                 max_in_flight: int = 4, inline: bool = False):
+                 max_in_flight: int = 4, inline: bool = False, queue: Callable | None = None,
+                 take: Callable | None = None):
         """run_step(step, features): the drafter's step function, given each update's features by request
         id; mismatch: the drafter's handshake check (a one-line reason, or empty); feature_device: where
         the drafter takes features; inline: serial steps may run on the loop (for a GPU drafter, whose step
-        is mostly launches and one wait)."""
+        is mostly launches and one wait). queue / take: the drafter's queue_drafts and take_drafts
+        (DrafterService's, bound to this link's stream), or None."""
         self._run_step, self._info, self._mismatch, self._inline = run_step, info, mismatch, inline
+        self._queue, self._take = queue, take
+        self.queues_drafts = queue is not None and take is not None
         self.feature_device = feature_device
         self.max_step_bytes = float("inf")  # features are handed over as tensors, not in the step
         self.metrics, self.step_timeout, self.max_in_flight = metrics, step_timeout, max_in_flight
@@ -173,6 +183,44 @@ class LocalDrafterLink(_StepResults):
         done.add_done_callback(lambda task: self._answer_from_worker(task, future, sent_at))
         return future
 
+    def can_queue(self) -> bool:
+        """queue_drafts may run now: no step is on the drafter's worker."""
+        return self.queues_drafts and self.connected and self._in_flight == 0
+
+    def queue_drafts(self, request_ids: list[str], wants: list[Want], settled: torch.Tensor, rows: list[int],
+                     features: torch.Tensor, feature_cells: list[int]) -> bool:
+        """Queues the next drafts of these requests behind the sampler whose packed output is `settled`
+        (rows[b]: request b's row; features: flat rows on feature_device, feature_cells[b * (max_num_drafts
+        + 1) + j]: the row of the feature before request b's j-th settled token). Every request must be held
+        by the drafter with its last tokens drafted from. False if the drafter refused: it then holds these
+        requests in an unknown state, and they must be re-sent whole."""
+        try:
+            self._queue(request_ids, [w.num_drafts for w in wants], [w.temperature for w in wants],
+                        [w.top_k for w in wants], settled, rows, features, feature_cells)
+        except Exception as e:
+            self._failed(e)
+            return False
+        return True
+
+    def take_drafts(self, request_ids: list[str], wants: list[Want], counts: list[int] | None
+                    ) -> dict[str, Drafts] | None:
+        """The drafts queue_drafts queued, by request id, once the host has read how many tokens each request
+        settled (counts; None when that result was lost). None when they are lost: these requests must be
+        re-sent whole."""
+        try:
+            proposal = self._take(counts)
+        except Exception as e:
+            self._failed(e)
+            return None
+        if proposal is None:
+            return None
+        return _drafts_by_request(request_ids, wants, proposal.token_ids.tolist(),
+                                  proposal.num_drafts.tolist(), proposal.probs)
+
+    def _failed(self, error: BaseException) -> None:
+        log.error("co-located drafter failed", extra={"error": repr(error)})
+        self.metrics.bad_payloads.labels(reason="link_error").inc()
+
     def _answer_from_worker(self, task: asyncio.Future, future: asyncio.Future, sent_at: float) -> None:
         self._in_flight -= 1
         error = task.exception()
@@ -182,14 +230,43 @@ class LocalDrafterLink(_StepResults):
                 error: BaseException | None) -> None:
         self._answered(sent_at)
         if error is not None:
-            log.error("co-located drafter step failed", extra={"error": repr(error)})
-            self.metrics.bad_payloads.labels(reason="link_error").inc()
+            self._failed(error)
         if not future.done():
             future.set_result(result)
 
 
+def _drafts_by_request(request_ids: list[str], wants: list[Want], ids: list[int], counts: list[int],
+                       q: DraftProbs | None) -> dict[str, Drafts]:
+    """An in-process drafter's drafts per request, each with q of the kind its want asked for (none for
+    greedy, top-K for truncated sampling, dense for untruncated), read to the host in one copy per tensor.
+    Made in this process from the verifier's own features, they are not checked as a message is."""
+    dense = sparse = None
+    if q is not None and q.is_dense:
+        dense = q.probs.cpu()
+    elif q is not None:
+        sparse = q.indices.cpu(), q.values.cpu()
+    out, start = {}, 0
+    for rid, want, k in zip(request_ids, wants, counts, strict=True):
+        rows, start = slice(start, start + k), start + k
+        if k == 0:
+            continue
+        if want.temperature == 0:
+            out[rid] = Drafts(ids[rows])
+        elif want.top_k == 0:
+            out[rid] = Drafts(ids[rows], probs=dense[rows])
+        elif sparse is not None:
+            width = want.top_k
+            out[rid] = Drafts(ids[rows], indices=sparse[0][rows, :width], values=sparse[1][rows, :width])
+        else:  # a dense batch: this row's support is its top-K, so topk is exact
+            values, indices = dense[rows].topk(want.top_k, dim=1)
+            out[rid] = Drafts(ids[rows], indices=indices, values=values)
+    return out
+
+
 class DrafterLink(_StepResults):
     """Sends DraftSteps and hands back their DraftResults, or None when the drafter cannot answer in time."""
+
+    queues_drafts = False  # drafts queued on the device (LocalDrafterLink.queue_drafts): in-process only
 
     def __init__(
         self, target: str, metrics: VerifierMetrics,

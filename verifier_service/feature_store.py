@@ -40,6 +40,16 @@ class FeatureStore:
         where = upload(torch.tensor([slots, positions]), self.rows.device)
         self.rows[where[0], where[1]] = picked.to(self.rows.device, self.rows.dtype)
 
+    @property
+    def flat(self) -> torch.Tensor:
+        """The buffer as rows [slots * max_context, width], indexed by `cells`."""
+        return self.rows.view(-1, self.rows.shape[-1])
+
+    def cells(self, slot: int, start: int, count: int) -> list[int]:
+        """Indices into `flat` of rows[slot, start:start + count], the last row repeated past the context."""
+        context = self.rows.shape[1]
+        return [slot * context + min(position, context - 1) for position in range(start, start + count)]
+
     def view(self, slot: int, start: int, end: int) -> torch.Tensor:
         """A request's rows [start, end): shared with the buffer, valid while that request holds the slot."""
         return self.rows[slot, start:end]

@@ -97,6 +97,11 @@ def just_in_time_wait(batch: int, missing: int, tau: float, verify: float) -> fl
 CHAIN = -1
 
 
+def _cut(d: Drafts, k: int) -> Drafts:
+    """The first k of a request's drafts, with their q."""
+    return Drafts(d.token_ids[:k], *(None if x is None else x[:k] for x in (d.indices, d.values, d.probs)))
+
+
 def _resolve(future: asyncio.Future) -> None:
     if not future.done():
         future.set_result(None)
@@ -211,6 +216,9 @@ class SchedulerConfig:
     # arrive, one at a time. 0: prefilled at once. Never waits when nothing decodes or when the waiting fill
     # the free slots.
     admit_wait: float = 0.0
+    # Serial drafting with a co-located drafter: queue the next round's drafts on the device right behind the
+    # sampler (no DraftStep, and no return to the host in between). None = where the drafter is on CUDA.
+    queue_drafts: bool | None = None
 
 
 class _Readback:
@@ -252,6 +260,8 @@ class _Step:
     tokens: list[list[int]]
     features: list[np.ndarray] | None  # per request, its rows of the feature table (wire.as_numpy)
     feature_dtype: torch.dtype | None = None
+    queued: list[int] = field(default_factory=list)  # rows whose next drafts were queued behind the sampler
+    drafts: dict[str, Drafts] | None = None  # and those drafts (None: lost, the rows must be re-sent)
 
 
 class _Launch(NamedTuple):
@@ -260,6 +270,9 @@ class _Launch(NamedTuple):
     started: float  # perf_counter() at its launch
     num_drafts: list[int]
     sampled: SampleOutput
+    queued: list[int]  # rows whose next drafts are queued behind the sampler
+    queued_ids: list[str]  # their requests
+    wants: list[Want]  # and what was asked for each
 
 
 class Scheduler:
@@ -276,6 +289,9 @@ class Scheduler:
         self.draining = False
         self._frees: list[str] = []  # requests the drafter knows that left the batch
         self._in_flight: tuple[asyncio.Future, dict[str, Want]] | None = None  # serial mode's sent step
+        self._queued_drafts: dict[str, Drafts] = {}  # serial mode's drafts queued behind the last sampler
+        self._queueing = link is not None and link.queues_drafts and (
+            config.queue_drafts if config.queue_drafts is not None else link.feature_device.type == "cuda")
         self._verify_seconds = 0.0  # wall time of the last verification, launch to tokens
         # Moving averages for table_wait: the share of on-time tables holding the outcome, and the tokens a
         # verification of drafts settles per request (tau). Their first values make that budget half a
@@ -497,14 +513,17 @@ class Scheduler:
             sent = self._send_step(live, "tables", checking=batch.num_drafts)
             await asyncio.sleep(0)  # the link's writer puts it on the wire before this thread launches
         started = time.perf_counter()
-        step = await self._verify(live, batch)
+        step = await self._verify(live, batch, [] if caching else self._queueable(live, batch))
         round_trace.mark("v.verified")
         self._verify_seconds = time.perf_counter() - started
         tables = await self._tables(sent) if caching else None
         self._settle_round(live, batch.num_drafts, step, caching, tables, sent[1] if caching and sent else {})
         round_trace.mark("v.settled")
         if self.speculating and not caching:
-            self._in_flight = self._send_step([r for r in live if r.live], "serial")
+            queued = {live[i].id for i in step.queued} if step.drafts is not None else set()
+            rest = [r for r in live if r.live and r.id not in queued]
+            if rest or self._frees:
+                self._in_flight = self._send_step(rest, "serial")
         elif caching:
             self.metrics.drafting_rounds["tables" if tabling else "serial"].inc()
             if self._drafting is not None:
@@ -512,13 +531,14 @@ class Scheduler:
                 if self._drafting.mode == "serial":  # the next round's drafts, for what this one settled
                     self._in_flight = self._send_step([r for r in live if r.live], "chains")
 
-    async def _verify(self, live: list[Request], batch: BatchDrafts) -> _Step:
-        """One verification, while the last round's tokens go out. On CUDA this thread launches and collects
-        it itself: the GPU does the work, and a hand-off to the worker thread and back cost about 0.1 ms each
-        of a 1.3-2.8 ms batch-1 round (bench/round_timeline.py). On a CPU the worker runs the forward, which
-        would hold the loop for all of it."""
+    async def _verify(self, live: list[Request], batch: BatchDrafts, queue: list[int]) -> _Step:
+        """One verification, while the last round's tokens go out; the next drafts of rows `queue` are queued
+        behind its sampler. On CUDA this thread launches and collects it itself: the GPU does the work, and a
+        hand-off to the worker thread and back cost about 0.1 ms each of a 1.3-2.8 ms batch-1 round
+        (bench/round_timeline.py). On a CPU the worker runs the forward, which would hold the loop for all of
+        it."""
         if self._verified is not None:
-            launch = self._launch_verification(live, batch)
+            launch = self._launch_verification(live, batch, queue)
             with torch.cuda.device(self.engine.device):
                 self._verified.record()
             streamed = self._finish_rounds()
@@ -539,7 +559,7 @@ class Scheduler:
         loop = asyncio.get_running_loop()
         launched = loop.create_future()
         verification = loop.run_in_executor(self._worker, self._verify_on_worker, live, batch,
-                                            lambda: loop.call_soon_threadsafe(_resolve, launched))
+                                            lambda: loop.call_soon_threadsafe(_resolve, launched), queue)
         # Until the worker has started the verification, this thread keeps off the GIL it needs for that.
         await asyncio.wait((launched, verification), return_when=asyncio.FIRST_COMPLETED)
         self._finish_rounds()  # the last round's tokens go out while the verification runs
@@ -564,6 +584,13 @@ class Scheduler:
                     self._look_up(r, tables, step.tokens[i])
                 elif caching and r.live:
                     self.metrics.cache["unasked"].inc()
+        for i in step.queued:  # the drafter took this round's tokens on the device, or must get them whole
+            if step.drafts is None:
+                self._resend_whole(live[i])
+            else:
+                live[i].drafter_len = len(live[i].tokens)
+        if step.queued:
+            self._queued_drafts = step.drafts or {}
         self._unfinished.append((live, num_drafts, step.tokens, settled))
 
     async def _decode(self, live: list[Request]) -> None:
@@ -652,9 +679,7 @@ class Scheduler:
             if d is None:
                 r.next_branch = None
                 continue
-            k = min(len(d.token_ids), self._num_drafts(r))
-            drafts[r.id] = Drafts(d.token_ids[:k], *(None if x is None else x[:k]
-                                                       for x in (d.indices, d.values, d.probs)))
+            drafts[r.id] = _cut(d, self._num_drafts(r))
         return batch_drafts([r.id for r in live], drafts, self.vocab_size)
 
     async def _tables(self, sent: tuple[asyncio.Future, dict] | None) -> dict[str, Table] | None:
@@ -722,9 +747,22 @@ class Scheduler:
 
     def _drafts_for(self, live: list[Request], result: dpb.DraftResult | None, wants: dict[str, Want]
                     ) -> BatchDrafts:
-        # None: no drafts this step (a timeout or a broken stream is counted by the link)
+        """A serial round's drafts: those of the step answered (None: none, as after a timeout or a broken
+        stream, which the link counts) and those queued behind the last sampler, cut to each one's room."""
         drafts = {} if result is None else self._read_drafts(result, wants)
+        queued, self._queued_drafts = self._queued_drafts, {}
+        for r in live:
+            if (d := queued.get(r.id)) is not None:
+                drafts[r.id] = _cut(d, self._num_drafts(r))
         return batch_drafts([r.id for r in live], drafts, self.vocab_size)
+
+    def _queueable(self, live: list[Request], batch: BatchDrafts) -> list[int]:
+        """Rows whose next drafts can be queued behind this round's sampler: the drafter drafted their last
+        tokens (these drafts) and has been told nothing since."""
+        if not (self._queueing and self.link.can_queue()):
+            return []
+        return [i for i, (r, k) in enumerate(zip(live, batch.num_drafts, strict=True))
+                if k and r.drafter_len == len(r.tokens) and self._num_drafts(r)]
 
     def _read_drafts(self, result: dpb.DraftResult, wants: dict[str, Want]) -> dict[str, Drafts]:
         """The checked drafts of a serial step's answer, per request id; bad ones counted and left out."""
@@ -743,11 +781,18 @@ class Scheduler:
             self.metrics.fallbacks["bad_payload"].inc()
             log.warning("bad drafter proposals", extra={"invalid": aligned.invalid})
 
+    def _resend_whole(self, r: Request) -> None:
+        """The drafter holds r in an unknown state: the next step frees it there, then sends it whole."""
+        if r.drafter_len:
+            self._frees.append(r.id)
+        r.drafter_len = 0
+
     def _apply_dropped(self, result: dpb.DraftResult) -> None:
         for rid in result.dropped_request_ids:  # the drafter lost it: re-send the whole request next step
             if (r := self.requests.get(rid)) is not None:
                 r.drafter_len = 0
                 r.next_drafts = r.next_branch = None
+                self._queued_drafts.pop(rid, None)
 
     def _emit(self, r: Request, new_tokens: list[int]) -> None:
         """Appends tokens up to the first that finishes the request, and streams them."""
@@ -830,7 +875,8 @@ class Scheduler:
             first += len(r.prompt)
         return _Step(tokens, features, table.dtype)
 
-    def _verify_on_worker(self, live: list[Request], batch: BatchDrafts, on_launch=lambda: None) -> _Step:
+    def _verify_on_worker(self, live: list[Request], batch: BatchDrafts, on_launch=lambda: None,
+                          queue: list[int] = ()) -> _Step:
         """A verification on the worker thread. on_launch: called once the target's forward and the sampler
         are queued on the device (on a CPU, where the forward runs right here, before it, so that the drafter
         works during it). Until then the loop keeps off the GIL, which each of the worker's host-side torch
@@ -838,14 +884,15 @@ class Scheduler:
         queued = self.engine.device.type == "cuda"
         if not queued:
             on_launch()
-        launch = self._launch_verification(live, batch)
+        launch = self._launch_verification(live, batch, queue)
         if queued:
             on_launch()
         return self._collect_verification(launch)
 
     @torch.inference_mode()
-    def _launch_verification(self, live: list[Request], batch: BatchDrafts) -> _Launch:
-        """Queues the target's forward over each request's last token and drafts, and the sampler after it."""
+    def _launch_verification(self, live: list[Request], batch: BatchDrafts, queue: list[int] = ()) -> _Launch:
+        """Queues the target's forward over each request's last token and drafts, the sampler after it, and
+        the next drafts of rows `queue` after that."""
         started = time.perf_counter()
         round_trace.mark("v.verify", len(live))
         slots = [r.slot for r in live]
@@ -872,13 +919,30 @@ class Scheduler:
         round_trace.mark("v.forward_queued")
         sampled = self._sample(out.logits, live, batch)
         round_trace.mark("v.sampler_queued")
-        return _Launch(started, batch.num_drafts, sampled)
+        queue, wants = list(queue), [self._want_for(live[i], self._num_drafts(live[i])) for i in queue]
+        T = self.link.info.max_num_drafts + 1 if queue else 0
+        cells = [c for i in queue for c in self._store.cells(live[i].slot, starts[i], T)]
+        if queue and not self.link.queue_drafts([live[i].id for i in queue], wants, sampled.packed, queue,
+                                                self._store.flat, cells):
+            for i in queue:
+                self._resend_whole(live[i])
+            queue, wants = [], []
+        self.metrics.queued_drafts.inc(len(queue))
+        round_trace.mark("v.drafts_queued")
+        return _Launch(started, batch.num_drafts, sampled, queue, [live[i].id for i in queue], wants)
 
     @torch.inference_mode()
     def _collect_verification(self, launch: _Launch) -> _Step:
         """Waits for a launched verification's tokens and the features of the rows they settle."""
-        tokens = launch.sampled.token_lists()  # the first wait for the device
+        try:
+            tokens = launch.sampled.token_lists()  # the first wait for the device
+        except Exception:
+            if launch.queued:
+                self.link.take_drafts(launch.queued_ids, launch.wants, None)
+            raise
         round_trace.mark("v.tokens")
+        drafts = self.link.take_drafts(launch.queued_ids, launch.wants,
+                                       [len(tokens[i]) for i in launch.queued]) if launch.queued else None
         features = dtype = None
         if self.link is not None and self._store is None:
             # The rows the target ran on whose next token is now settled, as views of the readback buffer:
@@ -891,7 +955,7 @@ class Scheduler:
         self.metrics.verify_step_time.observe(time.perf_counter() - launch.started)
         self._profiler.step()
         round_trace.mark("v.verify_end")
-        return _Step(tokens, features, dtype)
+        return _Step(tokens, features, dtype, launch.queued, drafts)
 
     def _sample(self, logits: torch.Tensor, requests: list[Request], batch: BatchDrafts) -> SampleOutput:
         def column(values: list, dtype: type) -> np.ndarray:  # numpy: no torch call per column
@@ -962,6 +1026,7 @@ class Scheduler:
             r.next_drafts = r.next_branch = None
         self._frees.clear()
         self._in_flight = None
+        self._queued_drafts = {}
         self._wake.set()
 
     def _drafter_room(self) -> int:
@@ -974,17 +1039,22 @@ class Scheduler:
         room = min(self.max_context - len(r.tokens), r.params.max_tokens - r.num_output) - 1
         return max(0, min(self.config.num_speculative_tokens, self.link.info.max_num_drafts, room))
 
-    def _want(self, step: dpb.DraftStep, r: Request, k: int) -> Want:
-        """Adds r's DraftWant to `step`."""
+    def _want_for(self, r: Request, k: int) -> Want:
         p = r.params
         # Seeded requests draft greedily: the sampler verifies one-hot q by the race winner, so their output
         # is the target-only sample whatever the drafts, the batch or the drafter's health.
         temperature = 0.0 if p.greedy or p.seed is not None else p.temperature
         top_k = 0 if temperature == 0 else min(p.top_k or self.config.draft_top_k, self.config.draft_top_k)
-        want = step.wants.add(request_id=r.id, num_drafts=k, temperature=temperature, top_k=top_k)
-        if p.seed is not None:
-            want.seed = p.seed
         return Want(k, temperature, top_k)
+
+    def _want(self, step: dpb.DraftStep, r: Request, k: int) -> Want:
+        """Adds r's DraftWant to `step`."""
+        want = self._want_for(r, k)
+        message = step.wants.add(request_id=r.id, num_drafts=k, temperature=want.temperature,
+                                 top_k=want.top_k)
+        if r.params.seed is not None:
+            message.seed = r.params.seed
+        return want
 
     def _features(self, sends: list[tuple[Request, int]]) -> list[dpb.Tensor] | list[torch.Tensor]:
         """Per (request, first token to send): the features of the positions before those tokens, picked and
