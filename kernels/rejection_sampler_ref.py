@@ -96,9 +96,10 @@ class SampleOutput:
         if bad.numel() > 0:
             raise _bad_requests(bad.tolist())
 
-    def token_lists(self) -> list[list[int]]:
-        """Each request's emitted tokens, read with one device-to-host copy; raises as check() does."""
-        rows = self.packed.tolist()
+    def token_lists(self, host: torch.Tensor | None = None) -> list[list[int]]:
+        """Each request's emitted tokens, read with one device-to-host copy (or from `host`, a copy of
+        `packed` already read back); raises as check() does."""
+        rows = (self.packed if host is None else host).tolist()
         if bad := [b for b, row in enumerate(rows) if row[0] < 0]:
             raise _bad_requests(bad)
         return [row[1: 1 + row[0]] for row in rows]

@@ -581,6 +581,28 @@ def test_colocated_drafts_queued_behind_the_sampler_equal_target_only(world):
         v.close()
 
 
+def test_queued_drafts_lost_to_a_drafter_fault_cost_no_request(world):
+    """Every third take of queued drafts fails inside the drafter (after it committed the tokens): those
+    requests verify without drafts and are sent to the drafter whole, and the output stays target-only."""
+    v = Verifier(world.loop, world.checkpoint, world.tokenizer, "colocated-inline", cache_branches=0,
+                 queue_drafts=True, max_slots=3)
+    proposer = v.server.scheduler.link._take.func.__self__.proposer
+    read, takes = proposer._proposal, iter(range(10**6))
+
+    def faulty(*args):
+        if next(takes) % 3 == 2:
+            raise RuntimeError("injected drafter fault")
+        return read(*args)
+
+    proposer._proposal = faulty
+    try:
+        greedy_equals_target_only(world, v, 8, seed=43)
+        assert v.counter(v.metrics.bad_payloads, reason="link_error") > 0
+        assert v.counter(v.metrics.queued_drafts) > 0 and v.counter(v.metrics.num_draft_tokens) > 0
+    finally:
+        v.close()
+
+
 @contextlib.contextmanager
 def verifier_of_the_world_drafter(world, **settings):
     """A second verifier, with other settings, connected to the world's drafter."""

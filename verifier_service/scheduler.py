@@ -261,7 +261,7 @@ class _Step:
     features: list[np.ndarray] | None  # per request, its rows of the feature table (wire.as_numpy)
     feature_dtype: torch.dtype | None = None
     queued: list[int] = field(default_factory=list)  # rows whose next drafts were queued behind the sampler
-    drafts: dict[str, Drafts] | None = None  # and those drafts (None: lost, the rows must be re-sent)
+    wants: list[Want] = field(default_factory=list)  # and what was asked for each
 
 
 class _Launch(NamedTuple):
@@ -310,6 +310,7 @@ class Scheduler:
         self._feature_dtype = torch.float32
         self._feature_row_bytes = 0  # one token's features as the drafter takes them
         self._readback = _Readback()  # the worker's feature table on its way to the host
+        self._tokens_back = _Readback()  # the sampler's output, read before the drafts queued behind it
         self._store: FeatureStore | None = None  # instead, for a drafter that takes tensors (co-located)
         # Recorded after each verification the loop launches on CUDA: the loop polls it (see _verify).
         self._verified = torch.cuda.Event() if self.engine.device.type == "cuda" else None
@@ -520,7 +521,7 @@ class Scheduler:
         self._settle_round(live, batch.num_drafts, step, caching, tables, sent[1] if caching and sent else {})
         round_trace.mark("v.settled")
         if self.speculating and not caching:
-            queued = {live[i].id for i in step.queued} if step.drafts is not None else set()
+            queued = self._take_queued_drafts(live, step)
             rest = [r for r in live if r.live and r.id not in queued]
             if rest or self._frees:
                 self._in_flight = self._send_step(rest, "serial")
@@ -584,13 +585,8 @@ class Scheduler:
                     self._look_up(r, tables, step.tokens[i])
                 elif caching and r.live:
                     self.metrics.cache["unasked"].inc()
-        for i in step.queued:  # the drafter took this round's tokens on the device, or must get them whole
-            if step.drafts is None:
-                self._resend_whole(live[i])
-            else:
-                live[i].drafter_len = len(live[i].tokens)
-        if step.queued:
-            self._queued_drafts = step.drafts or {}
+        for i in step.queued:  # the drafter took this round's tokens on the device
+            live[i].drafter_len = len(live[i].tokens)
         self._unfinished.append((live, num_drafts, step.tokens, settled))
 
     async def _decode(self, live: list[Request]) -> None:
@@ -755,6 +751,21 @@ class Scheduler:
             if (d := queued.get(r.id)) is not None:
                 drafts[r.id] = _cut(d, self._num_drafts(r))
         return batch_drafts([r.id for r in live], drafts, self.vocab_size)
+
+    def _take_queued_drafts(self, live: list[Request], step: _Step) -> set[str]:
+        """The drafts queued behind this round's sampler (the settling above ran while they were drafted),
+        kept for the next round; returns the ids of the requests they are for. If they are lost, those
+        requests are sent whole next step."""
+        if not step.queued:
+            return set()
+        ids = [live[i].id for i in step.queued]
+        drafts = self.link.take_drafts(ids, step.wants, [len(step.tokens[i]) for i in step.queued])
+        if drafts is None:
+            for i in step.queued:
+                self._resend_whole(live[i])
+            return set()
+        self._queued_drafts = drafts
+        return set(ids)
 
     def _queueable(self, live: list[Request], batch: BatchDrafts) -> list[int]:
         """Rows whose next drafts can be queued behind this round's sampler: the drafter drafted their last
@@ -922,6 +933,8 @@ class Scheduler:
         queue, wants = list(queue), [self._want_for(live[i], self._num_drafts(live[i])) for i in queue]
         T = self.link.info.max_num_drafts + 1 if queue else 0
         cells = [c for i in queue for c in self._store.cells(live[i].slot, starts[i], T)]
+        if queue:  # the tokens come back as soon as the sampler is done, while the drafts are drafted
+            self._tokens_back.start(sampled.packed)
         if queue and not self.link.queue_drafts([live[i].id for i in queue], wants, sampled.packed, queue,
                                                 self._store.flat, cells):
             for i in queue:
@@ -934,15 +947,13 @@ class Scheduler:
     @torch.inference_mode()
     def _collect_verification(self, launch: _Launch) -> _Step:
         """Waits for a launched verification's tokens and the features of the rows they settle."""
-        try:
-            tokens = launch.sampled.token_lists()  # the first wait for the device
+        try:  # the first wait for the device
+            tokens = launch.sampled.token_lists(self._tokens_back.wait() if launch.queued else None)
         except Exception:
             if launch.queued:
                 self.link.take_drafts(launch.queued_ids, launch.wants, None)
             raise
         round_trace.mark("v.tokens")
-        drafts = self.link.take_drafts(launch.queued_ids, launch.wants,
-                                       [len(tokens[i]) for i in launch.queued]) if launch.queued else None
         features = dtype = None
         if self.link is not None and self._store is None:
             # The rows the target ran on whose next token is now settled, as views of the readback buffer:
@@ -955,7 +966,7 @@ class Scheduler:
         self.metrics.verify_step_time.observe(time.perf_counter() - launch.started)
         self._profiler.step()
         round_trace.mark("v.verify_end")
-        return _Step(tokens, features, dtype, launch.queued, drafts)
+        return _Step(tokens, features, dtype, launch.queued, launch.wants)
 
     def _sample(self, logits: torch.Tensor, requests: list[Request], batch: BatchDrafts) -> SampleOutput:
         def column(values: list, dtype: type) -> np.ndarray:  # numpy: no torch call per column
