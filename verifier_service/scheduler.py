@@ -247,6 +247,10 @@ class _Readback:
             self._event = self._event or torch.cuda.Event()
             self._event.record()
 
+    def ready(self) -> bool:
+        """Whether `wait` would return at once."""
+        return not self._copying or self._event.query()
+
     def wait(self) -> torch.Tensor:
         if self._copying:
             self._event.synchronize()
@@ -540,8 +544,12 @@ class Scheduler:
         it."""
         if self._verified is not None:
             launch = self._launch_verification(live, batch, queue)
-            with torch.cuda.device(self.engine.device):
-                self._verified.record()
+            if launch.queued:  # the tokens are back before the drafts queued behind them are drafted
+                verified = self._tokens_back.ready
+            else:
+                with torch.cuda.device(self.engine.device):
+                    self._verified.record()
+                verified = self._verified.query
             streamed = self._finish_rounds()
             # Client streams and the drafter's answers are served while the GPU works: the loop polls the
             # device rather than block on it, as the co-located drafter's serial steps leave it no other idle
@@ -553,7 +561,7 @@ class Scheduler:
             # bench/bench_stream_starvation.py --min-turns shows it on a CPU).
             turns = 0
             await asyncio.sleep(0)
-            while not self._verified.query() or turns < streamed:
+            while not verified() or turns < streamed:
                 await asyncio.sleep(0)
                 turns += 1
             return self._collect_verification(launch)
