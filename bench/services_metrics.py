@@ -55,17 +55,20 @@ def round_split(delta: Delta, wall: float) -> dict[str, float | None]:
     """Per verification step, in ms: wall (measurement wall time / steps), verify (the verifier's engine
     thread), drafter_round_trip (the RPC as the verifier timed it), draft (the drafter's compute),
     transport (round trip - draft: the gRPC hop and both services' Python around it) and host (wall - verify
-    - round trip: the verifier's event loop and what the overlap did not hide; negative when drafting
-    overlapped verification) and not_verify (wall - verify: everything on the critical path but the
-    verification itself, whatever overlapped)."""
+    - the round trips' time per verification, which is less than one round trip where rounds send no step,
+    as with drafts queued behind the sampler: the verifier's event loop and what the overlap did not hide;
+    negative when drafting overlapped verification) and not_verify (wall - verify: everything on the
+    critical path but the verification itself, whatever overlapped)."""
     steps = delta.get("verifier", "specwire_verify_step_seconds_count")
     verify = delta.mean_ms("verifier", "specwire_verify_step_seconds")
     trip = delta.mean_ms("verifier", "specwire_drafter_rpc_latency_seconds")
+    trips = delta.get("verifier", "specwire_drafter_rpc_latency_seconds_sum")
     draft = delta.mean_ms("drafter", "specwire_drafter_step_seconds")
     out = {"steps": steps, "wall": 1e3 * wall / steps if steps else None, "verify": verify,
            "drafter_round_trip": trip, "draft": draft,
            "transport": trip - draft if trip is not None and draft is not None else None}
-    known = [v for v in (verify, trip) if v is not None]
+    trips_per_step = 1e3 * trips / steps if trips is not None and steps else None
+    known = [v for v in (verify, trips_per_step) if v is not None]
     out["host"] = out["wall"] - sum(known) if out["wall"] is not None and known else None
     out["not_verify"] = out["wall"] - verify if out["wall"] is not None and verify is not None else None
     return out

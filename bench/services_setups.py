@@ -31,6 +31,7 @@ TWO_GPUS = (*TWO_PROCESSES, "colocated_two_gpus")  # the setups whose drafter ru
 # a forced speculation-cache hit rate, "off" (no cache), "adaptive" (tables or serial, measured) or None
 HitRate = float | str | None
 ADAPTIVE_EPOCH = 16  # rounds per drafting-mode epoch: a bench point runs a few hundred rounds
+CACHE_BRANCHES = 8  # table entries per request of the setups with the speculation cache
 
 
 class SetupUnavailable(RuntimeError):
@@ -121,7 +122,8 @@ class Fleet:
                      *(["--drafter-device", drafter] if drafter else [])]
         if setup != "target_only":
             argv += [*(["--forced-acceptance-length", str(length)] if length is not None else []),
-                     *(["--cache-branches", "0"] if hit == "off" else []),
+                     # said either way: a co-located verifier's default is 0, a remote drafter's 8
+                     "--cache-branches", "0" if hit == "off" else str(CACHE_BRANCHES),
                      *(["--drafting-epoch", str(ADAPTIVE_EPOCH)] if hit == "adaptive" else []),
                      *(["--forced-hit-rate", str(hit)] if isinstance(hit, float) else []), *w.verifier_args]
         service = self._start(f"verifier-{w.name}-{setup}-k{k}-L{length}-hit{hit}", argv)

@@ -45,6 +45,11 @@ def test_round_split_cache_and_bytes_from_two_scrapes():
     split = round_split(delta, wall=0.5)  # 100 steps in 0.5 s
     assert split == pytest.approx({"steps": 100, "wall": 5.0, "verify": 2.0, "drafter_round_trip": 1.5,
                                    "draft": 0.5, "transport": 1.0, "host": 1.5, "not_verify": 3.0})
+    # Drafts queued behind the sampler: only the 10 steps of new requests went to the drafter (2 ms each), so
+    # the round trips take 0.2 ms a verification, not 2 ms
+    queued = {"verifier": after["verifier"] | {f"{TRIP}_count": 20, f"{TRIP}_sum": 0.03}}
+    got = round_split(Delta(before, queued), wall=0.5)
+    assert got["drafter_round_trip"] == pytest.approx(2.0) and got["host"] == pytest.approx(5.0 - 2.0 - 0.2)
     cache = cache_hit_rate(delta)
     assert cache.pop("just_in_time") == {"drafted": 20.0, "undrafted": None, "late": None, "declined": None}
     assert cache.pop("rounds") == {"tables": None, "serial": None}

@@ -48,9 +48,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft-top-k", type=int, default=env("SPECWIRE_DRAFT_TOP_K", 64),
                         help="sampled requests draft from the head's top-K, shipped sparse (default 64, the "
                              "drafter's --max-top-k)")
-    parser.add_argument("--cache-branches", type=int, default=env("SPECWIRE_CACHE_BRANCHES", 8),
+    parser.add_argument("--cache-branches", type=int, default=env("SPECWIRE_CACHE_BRANCHES", None),
                         help="speculation cache: table entries per request the drafter drafts while a "
-                             "verification runs (default 8; 0 = wait for drafts each round)")
+                             "verification runs (0 = wait for drafts each round; default 8, or 0 with "
+                             "--colocated, whose drafts queued behind the sampler measured faster than tables: "
+                             "bench/results/session19_h200x2/)")
     parser.add_argument("--table-wait-ms", type=float, default=env("SPECWIRE_TABLE_WAIT_MS", None),
                         help="how long a finished verification waits for a table still on its way "
                              "(default: decided each round: waited for when it is due within what a hit "
@@ -148,6 +150,8 @@ async def serve(args: argparse.Namespace) -> None:
         raise ValueError("--colocated runs the drafter in this process: leave out --drafter")
     if args.drafter_socket and not args.drafter:
         raise ValueError("--drafter-socket needs --drafter HOST:PORT (the handshake goes over gRPC)")
+    if args.cache_branches is None:
+        args.cache_branches = 0 if args.colocated else 8
     if args.cache_branches < 0:
         raise ValueError(f"--cache-branches must be >= 0, got {args.cache_branches}")
     if args.drafting_epoch < 0:
