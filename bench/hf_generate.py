@@ -95,13 +95,16 @@ def main() -> int:
     for batch in (int(b) for b in args.batch_sizes.split(",")):
         ids, mask = left_padded([encoded[i % len(encoded)] for i in range(batch)], pad, device)
         for temperature in (float(t) for t in args.temperatures.split(",")):
-            try:
-                timed(ids, mask, 4, temperature, cache)  # warm-up: allocations, the cache of this batch
-            except Exception as e:  # transformers refused the static cache: fall back, say so
-                print(f"hf_generate: cache {cache!r} failed ({type(e).__name__}: {e}); using dynamic",
-                      file=sys.stderr)
-                cache = None
-                timed(ids, mask, 4, temperature, cache)
+            # Warm-up at both lengths timed: a static cache is sized by max_new_tokens, and a size not seen
+            # before recompiles the forward (session 19's batch-1 row timed 50 s of it for 32 tokens).
+            for length in (n, 1):
+                try:
+                    timed(ids, mask, length, temperature, cache)
+                except Exception as e:  # transformers refused the static cache: fall back, say so
+                    print(f"hf_generate: cache {cache!r} failed ({type(e).__name__}: {e}); using dynamic",
+                          file=sys.stderr)
+                    cache = None
+                    timed(ids, mask, length, temperature, cache)
             ttft = timed(ids, mask, 1, temperature, cache)
             full = timed(ids, mask, n, temperature, cache)
             rows.append({"batch": batch, "temperature": temperature, "tokens": batch * n, "seconds": full,
