@@ -51,8 +51,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cache-branches", type=int, default=env("SPECWIRE_CACHE_BRANCHES", None),
                         help="speculation cache: table entries per request the drafter drafts while a "
                              "verification runs (0 = wait for drafts each round; default 8, or 0 with "
-                             "--colocated, whose drafts queued behind the sampler measured faster than tables: "
-                             "bench/results/session19_h200x2/)")
+                             "--colocated, whose drafts queued behind the sampler measured faster than "
+                             "tables: bench/results/session19_h200x2/)")
     parser.add_argument("--table-wait-ms", type=float, default=env("SPECWIRE_TABLE_WAIT_MS", None),
                         help="how long a finished verification waits for a table still on its way "
                              "(default: decided each round: waited for when it is due within what a hit "
