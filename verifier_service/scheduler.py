@@ -522,10 +522,13 @@ class Scheduler:
         round_trace.mark("v.verified")
         self._verify_seconds = time.perf_counter() - started
         tables = await self._tables(sent) if caching else None
-        self._settle_round(live, batch.num_drafts, step, caching, tables, sent[1] if caching and sent else {})
+        try:
+            self._settle_round(live, batch.num_drafts, step, caching, tables,
+                               sent[1] if caching and sent else {})
+        finally:  # whatever happened, the drafter takes no other step before the drafts queued on it
+            queued = self._take_queued_drafts(live, step)
         round_trace.mark("v.settled")
         if self.speculating and not caching:
-            queued = self._take_queued_drafts(live, step)
             rest = [r for r in live if r.live and r.id not in queued]
             if rest or self._frees:
                 self._in_flight = self._send_step(rest, "serial")
