@@ -8,6 +8,7 @@ of a flat buffer, as a co-located verifier's feature store holds them."""
 import pytest
 import torch
 from specwire.drafter.proposer import ProposerError
+from test_drafter_head import VOCAB
 from test_drafter_proposer import MAX_DRAFTS, Setup, greedy_chain, on_cuda, split
 
 T = MAX_DRAFTS + 1  # the proposer's first-step width: a verification settles at most k + 1 tokens
@@ -120,3 +121,43 @@ def test_queueing_needs_every_pending_token_drafted_and_the_queue_taken(tmp_path
     s.proposer.queue_after_verification = propose_before_taking
     # the refusal changed nothing
     assert split(settled.queue(s, [2], [0.0], [0])) == [greedy_chain(s, "a", 2)]
+
+
+@pytest.mark.parametrize("top_k", [[0, 5, 3], [4, 5, 3]], ids=["dense", "sparse"])
+def test_queued_drafts_reach_the_verifier_as_a_draft_result_would(tmp_path, top_k):
+    """The co-located link hands the verifier queued drafts without a message: per request, the drafts and q
+    of the kind its want asked for must be what the drafter's DraftResult, decoded and checked by the
+    verifier, would have given (greedy rows without q; top-K rows' q cut to their width)."""
+    from specwire.drafter.server import DrafterService
+    from specwire.verifier.alignment import Want, read_result
+    from specwire.verifier.drafter_link import _drafts_by_request
+
+    from specwire.metrics import DrafterMetrics
+    from specwire.v1 import drafter_pb2 as pb
+
+    s = Setup(tmp_path, "eagle3")
+    order, ks, temps = ["a", "b", "c"], [3, 2, 4], [0.9, 0.0, 1.1]
+    top_k = [tk if t > 0 else 0 for t, tk in zip(temps, top_k, strict=True)]
+    for rid, n in [("a", 7), ("b", 4), ("c", 10)]:
+        s.add(rid, n)
+    proposal = s.proposer.propose(order, ks, temps, top_k)
+    wants = [Want(k, t, tk) for k, t, tk in zip(ks, temps, top_k, strict=True)]
+
+    result = pb.DraftResult()
+    messages = [pb.DraftWant(request_id=r, num_drafts=w.num_drafts, temperature=w.temperature, top_k=w.top_k)
+                for r, w in zip(order, wants, strict=True)]
+    DrafterService(DrafterMetrics())._split(messages, proposal, temps, top_k, result)
+    decoded = read_result(result, dict(zip(order, wants, strict=True)), VOCAB)
+    assert not decoded.invalid and len(decoded.drafts) == 3
+
+    handed = _drafts_by_request(order, wants, proposal.token_ids.tolist(), proposal.num_drafts.tolist(),
+                                proposal.probs)
+    assert handed.keys() == decoded.drafts.keys()
+    for rid in order:
+        got, want = handed[rid], decoded.drafts[rid]
+        assert got.token_ids == want.token_ids, rid
+        for name in ("indices", "values", "probs"):
+            a, b = getattr(got, name), getattr(want, name)
+            assert (a is None) == (b is None), (rid, name)
+            if a is not None:
+                torch.testing.assert_close(a.to(b.dtype), b, rtol=0, atol=0, msg=f"{rid} {name}")
