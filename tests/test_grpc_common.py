@@ -382,6 +382,17 @@ def test_the_verifier_bounds_its_drafter_channel_by_its_max_message_flag(monkeyp
     assert channel.max_message_bytes == 256 * 1024 * 1024 and channel.tls_ca == pki["ca"][0]
 
 
+def test_a_queue_drafts_value_from_the_environment_is_checked_as_the_flag_is(monkeypatch, capsys):
+    """argparse checks --queue-drafts against its choices but not a default taken from SPECWIRE_QUEUE_DRAFTS:
+    a typo there must stop the verifier with one line, not fall back to auto unseen."""
+    from specwire.cli import main
+
+    monkeypatch.setenv("SPECWIRE_QUEUE_DRAFTS", "yes")
+    assert main(["verifier", "--listen", "127.0.0.1:0", "--k", "0", "--device", "cpu"]) != 0
+    want = "specwire: error: --queue-drafts must be auto, on or off, got 'yes'"
+    assert capsys.readouterr().err.strip() == want
+
+
 def test_run_sets_the_switch_interval_for_the_service_and_refuses_nonsense():
     """A service's event loop runs under the --switch-interval it was given (the model thread's wait for the
     GIL after a device wait is bounded by it); zero, negative and absurd values are refused up front."""

@@ -150,6 +150,8 @@ async def serve(args: argparse.Namespace) -> None:
         raise ValueError("--colocated runs the drafter in this process: leave out --drafter")
     if args.drafter_socket and not args.drafter:
         raise ValueError("--drafter-socket needs --drafter HOST:PORT (the handshake goes over gRPC)")
+    if args.queue_drafts not in ("auto", "on", "off"):  # argparse leaves a default (SPECWIRE_*) unchecked
+        raise ValueError(f"--queue-drafts must be auto, on or off, got {args.queue_drafts!r}")
     if args.cache_branches is None:
         args.cache_branches = 0 if args.colocated else 8
     if args.cache_branches < 0:
