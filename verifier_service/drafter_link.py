@@ -202,20 +202,25 @@ class LocalDrafterLink(_StepResults):
             return False
         return True
 
-    def take_drafts(self, request_ids: list[str], wants: list[Want], counts: list[int] | None
+    def take_drafts(self, request_ids: list[str], wants: list[Want], counts: list[int]
                     ) -> dict[str, Drafts] | None:
         """The drafts queue_drafts queued, by request id, once the host has read how many tokens each request
-        settled (counts; None when that result was lost). None when they are lost: these requests must be
-        re-sent whole."""
+        settled. None when they are lost: these requests must be re-sent whole."""
         try:
             proposal = self._take(counts)
         except Exception as e:
             self._failed(e)
             return None
-        if proposal is None:
-            return None
         return _drafts_by_request(request_ids, wants, proposal.token_ids.tolist(),
                                   proposal.num_drafts.tolist(), proposal.probs)
+
+    def drop_drafts(self) -> None:
+        """The verification the queued drafts follow lost its result: the drafter frees their requests
+        (the verifier re-sends them whole) and keeps no drafts."""
+        try:
+            self._take(None)
+        except Exception as e:
+            self._failed(e)
 
     def _failed(self, error: BaseException) -> None:
         log.error("co-located drafter failed", extra={"error": repr(error)})

@@ -275,7 +275,6 @@ class _Launch(NamedTuple):
     num_drafts: list[int]
     sampled: SampleOutput
     queued: list[int]  # rows whose next drafts are queued behind the sampler
-    queued_ids: list[str]  # their requests
     wants: list[Want]  # and what was asked for each
 
 
@@ -953,7 +952,7 @@ class Scheduler:
             queue, wants = [], []
         self.metrics.queued_drafts.inc(len(queue))
         round_trace.mark("v.drafts_queued")
-        return _Launch(started, batch.num_drafts, sampled, queue, [live[i].id for i in queue], wants)
+        return _Launch(started, batch.num_drafts, sampled, queue, wants)
 
     @torch.inference_mode()
     def _collect_verification(self, launch: _Launch) -> _Step:
@@ -962,7 +961,7 @@ class Scheduler:
             tokens = launch.sampled.token_lists(self._tokens_back.wait() if launch.queued else None)
         except Exception:
             if launch.queued:
-                self.link.take_drafts(launch.queued_ids, launch.wants, None)
+                self.link.drop_drafts()
             raise
         round_trace.mark("v.tokens")
         features = dtype = None
