@@ -35,7 +35,7 @@ from specwire.engine import (
     warm_up_widths,
 )
 from specwire.model import KVCache
-from specwire.staging import StagedInputs, upload
+from specwire.staging import StagedInputs, read_back, upload
 from specwire.wire import as_numpy
 
 
@@ -278,7 +278,7 @@ class EagleProposer:
                 r.num_cached -= len(last[0])
                 r.pending_tokens, r.pending_features = last
         if self.min_confidence:
-            ks = [min(k, n) for k, n in zip(ks, self._confident[:B].tolist(), strict=True)]
+            ks = [min(k, n) for k, n in zip(ks, read_back(self._confident[:B]).tolist(), strict=True)]
         proposal = self._proposal(ks, temperature, top_k)
         round_trace.mark("d.drafts")
         if keep_chain:
@@ -379,7 +379,7 @@ class EagleProposer:
         for r, n in zip(requests, counts, strict=True):
             r.num_cached += n
         if self.min_confidence:
-            ks = [min(k, n) for k, n in zip(ks, self._confident[:len(ks)].tolist(), strict=True)]
+            ks = [min(k, n) for k, n in zip(ks, read_back(self._confident[:len(ks)]).tolist(), strict=True)]
         return self._proposal(ks, temperature, top_k)
 
     def _prefill_overflow(self, requests: list[_Request]) -> None:
@@ -795,15 +795,16 @@ class EagleProposer:
         # of the table in one copy back, which is the one wait for the device.
         columns = torch.cat([self._br_accepted[:rows, None], self._br_bonus[:rows, None],
                              (self._br_score[:rows, None] > 0).long(), self._br_confident[:rows, None],
-                             self._br_tokens[:rows]], 1).tolist()
+                             self._br_tokens[:rows]], 1)
+        columns = read_back(columns).tolist()
         round_trace.mark("d.drafts")
         if any(t > 0 for t in temperature):  # q as each branch ships it, for all rows at once: a few large
             to_target = self.head.draft_to_target  # ops and copies instead of several tiny ones per branch
             top_q = self._br_top_q[:rows]
             top_idx = self._br_top_idx[:rows]
             top_idx = torch.where(top_q > 0, top_idx if to_target is None else to_target[top_idx], -1).int()
-            support = (top_q > 0).sum(2).tolist()  # [rows, K]: the width of each draft's q
-            top_q, top_idx = top_q.cpu(), top_idx.cpu()
+            support = read_back((top_q > 0).sum(2)).tolist()  # [rows, K]: the width of each draft's q
+            top_q, top_idx = read_back(top_q), read_back(top_idx)
         tables = []
         for b, (r, n, k, t) in enumerate(zip(requests, counts, ks, temperature, strict=True)):
             table = []
@@ -833,7 +834,7 @@ class EagleProposer:
     def _proposal(self, ks: list[int], temperature: list[float], top_k: list[int]) -> Proposal:
         """Pack rows [b, :k_b] of the output buffers; choose the smallest exact q payload."""
         K = self.max_drafts
-        rows = self._tokens[:len(ks)].tolist()  # the wait for the drafts, and their one copy back
+        rows = read_back(self._tokens[:len(ks)]).tolist()  # the wait for the drafts, and their one copy back
         token_ids = torch.tensor([t for row, k in zip(rows, ks, strict=True) for t in row[:k]],
                                  dtype=torch.int64)
         num_drafts = torch.tensor(ks, dtype=torch.int32)

@@ -25,6 +25,7 @@ from specwire import round_trace
 from specwire.config import ModelConfig
 from specwire.grpc_common import DEFAULT_MAX_MESSAGE_BYTES
 from specwire.metrics import DrafterMetrics
+from specwire.staging import read_back
 from specwire.step_profiler import StepProfiler
 from specwire.step_socket import FrameError, MessageSocket
 from specwire.v1 import drafter_pb2 as pb
@@ -372,9 +373,9 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
         q = proposal.probs
         dense = sparse = None
         if q is not None and q.is_dense:
-            dense = q.probs.cpu()
+            dense = read_back(q.probs)
         elif q is not None:
-            sparse = q.indices.to(torch.int32).cpu().numpy(), q.values.float().cpu().numpy()
+            sparse = read_back(q.indices.to(torch.int32)).numpy(), read_back(q.values.float()).numpy()
         cut: list[tuple[pb.Proposal, np.ndarray, np.ndarray]] = []  # sparse rows to encode in one go
         start = 0
         for w, k, t, tk in zip(wants, counts, temperature, top_k, strict=True):

@@ -38,6 +38,8 @@ from dataclasses import dataclass
 import torch
 from specwire.kernels.philox import philox_uniforms
 
+from specwire.staging import read_back
+
 STREAM_TOKEN, STREAM_ACCEPT = 0, 1
 SALT = 0x53505752  # "SPWR"
 NEG_INF = float("-inf")
@@ -99,7 +101,7 @@ class SampleOutput:
     def token_lists(self, host: torch.Tensor | None = None) -> list[list[int]]:
         """Each request's emitted tokens, read with one device-to-host copy (or from `host`, a copy of
         `packed` already read back); raises as check() does."""
-        rows = (self.packed if host is None else host).tolist()
+        rows = (read_back(self.packed) if host is None else host).tolist()
         if bad := [b for b, row in enumerate(rows) if row[0] < 0]:
             raise _bad_requests(bad)
         return [row[1: 1 + row[0]] for row in rows]

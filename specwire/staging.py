@@ -1,10 +1,16 @@
-"""Static device inputs that are written on the host and go over in one copy.
+"""Host <-> device copies that never hold up another thread: static device inputs written on the host that go
+over in one copy, and reads back to the host through pinned memory.
 
 A CUDA graph reads its inputs from fixed device buffers. Filling them with one `copy_` each from pageable
 host tensors costs a host call per buffer, and each such copy first waits for the stream (CUDA's rule for
 pageable host-to-device copies). Here the buffers are views of one device block, mirrored by one pinned
 host block that the caller writes through numpy views (no torch dispatch per field): `send` queues a single
 non-blocking copy and returns at once.
+
+Reading back goes through pinned memory too, waited for with an event: a plain `.cpu()` or `.tolist()` of a
+CUDA tensor copies into pageable memory, and while that copy waits for the stream, CUDA holds up every other
+thread's call into the device (bench/bench_cross_thread_wait.py: a co-located drafter's thread reading its
+tables held the verifier's launch until the tables were drafted, 1.8 ms a batch-1 round).
 """
 
 from __future__ import annotations
@@ -71,3 +77,17 @@ def upload(values: torch.Tensor, to: torch.device | torch.Tensor) -> torch.Tenso
     if isinstance(to, torch.Tensor):
         return to.copy_(values, non_blocking=True)
     return values.to(device, non_blocking=True)
+
+
+def read_back(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` on the host (a CPU tensor as it is): copied into pinned memory and waited for with an event,
+    so that other threads' device calls go on meanwhile (see the module's docstring)."""
+    if not tensor.is_cuda:
+        return tensor
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    host.copy_(tensor, non_blocking=True)
+    with torch.cuda.device(tensor.device):
+        copied = torch.cuda.Event()
+        copied.record()
+    copied.synchronize()
+    return host

@@ -1,5 +1,5 @@
 """Host-side step inputs and outputs: verify rows that fill the grid are picked by a slice (no index copy),
-CUDA-graph inputs go over from one pinned block, and the scheduler's pinned feature readback."""
+CUDA-graph inputs go over from one pinned block, and reads back to the host through pinned memory."""
 
 import pytest
 import torch
@@ -7,6 +7,7 @@ from specwire.verifier.scheduler import _Readback
 from test_engine import close, tiny_checkpoint
 
 from specwire.engine import TargetEngine
+from specwire.staging import read_back
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -71,3 +72,19 @@ def test_readback_copies_through_one_reused_pinned_buffer():
     cpu = torch.randn(4, 8)
     readback.start(cpu)
     assert readback.wait() is cpu
+
+
+def test_read_back_leaves_host_tensors_alone():
+    cpu = torch.arange(6).view(2, 3)
+    assert read_back(cpu) is cpu
+
+
+@pytest.mark.gpu
+@gpu
+def test_read_back_copies_through_pinned_memory():
+    """Sliced and strided device tensors of several dtypes come back pinned and equal, including the result
+    of work queued just before the read."""
+    big = torch.randn(64, 64, device="cuda")
+    for tensor in (big[:, 3:9], big.t()[::2], big.long()[5], (big > 0).sum(1).int(), big.bfloat16()[:7] * 3):
+        host = read_back(tensor)
+        assert host.is_pinned() and host.dtype == tensor.dtype and torch.equal(host, tensor.cpu())

@@ -25,6 +25,7 @@ from specwire.verifier.alignment import Drafts, Want
 
 from specwire import grpc_common, round_trace
 from specwire.metrics import VerifierMetrics
+from specwire.staging import read_back
 from specwire.step_socket import FrameError, MessageSocket
 from specwire.v1 import drafter_pb2 as pb
 from specwire.v1 import drafter_pb2_grpc
@@ -247,9 +248,9 @@ def _drafts_by_request(request_ids: list[str], wants: list[Want], ids: list[int]
     Made in this process from the verifier's own features, they are not checked as a message is."""
     dense = sparse = None
     if q is not None and q.is_dense:
-        dense = q.probs.cpu()
+        dense = read_back(q.probs)
     elif q is not None:
-        sparse = q.indices.cpu(), q.values.cpu()
+        sparse = read_back(q.indices), read_back(q.values)
     out, start = {}, 0
     for rid, want, k in zip(request_ids, wants, counts, strict=True):
         rows, start = slice(start, start + k), start + k

@@ -61,6 +61,7 @@ from specwire.engine import TargetEngine
 from specwire.forced_acceptance import rates_tensor
 from specwire.metrics import VerifierMetrics
 from specwire.sampling_params import SamplingParams
+from specwire.staging import read_back
 from specwire.step_profiler import StepProfiler
 from specwire.tokenizer import IncrementalDetokenizer, Tokenizer
 from specwire.v1 import drafter_pb2 as dpb
@@ -889,7 +890,7 @@ class Scheduler:
                               [r.slot for r in admitted for _ in r.prompt],
                               [i for r in admitted for i in range(len(r.prompt))])
             return _Step(tokens, None)
-        table = self._feature_table(out.hidden, out.aux_hidden).cpu()
+        table = read_back(self._feature_table(out.hidden, out.aux_hidden))
         rows, first, features = as_numpy(table), 0, []
         for r in admitted:
             features.append(rows[first:first + len(r.prompt)])
