@@ -20,18 +20,19 @@ from specwire.verifier.drafter_link import LocalDrafterLink
 from specwire.verifier.scheduler import Scheduler, SchedulerConfig
 from test_services_e2e import MAX_CONTEXT, tiny_target
 
-from specwire.default_model import default_model_path
 from specwire.engine import TargetEngine
 from specwire.metrics import DrafterMetrics, VerifierMetrics
 from specwire.sampling_params import SamplingParams
-from specwire.tokenizer import load_tokenizer
+from specwire.synthetic import synthetic_tokenizer
 
 K, SLOTS, REQUESTS, MAX_TOKENS = 3, 3, 7, 30
 
 
 async def generate(engine: TargetEngine, link: LocalDrafterLink, cache_branches: int, queue_drafts: bool
                    ) -> list[list[int]]:
-    scheduler = Scheduler(engine, load_tokenizer(default_model_path()), VerifierMetrics(),
+    # The synthetic tokenizer of the target's vocabulary: outputs are only compared as ids, and GPU runs need
+    # no model staged for it.
+    scheduler = Scheduler(engine, synthetic_tokenizer(engine.config), VerifierMetrics(),
                           SchedulerConfig(num_speculative_tokens=K, cache_branches=cache_branches,
                                           table_wait=5.0, just_in_time_wait=5.0,
                                           forced_acceptance=(0.9, 0.8, 0.7), queue_drafts=queue_drafts), link)
@@ -90,7 +91,7 @@ def test_the_colocated_drafter_is_handed_the_target_features_of_every_token(cach
     queued = set()
     proposer.queue_after_verification = record_queued
     service = DrafterService(DrafterMetrics())
-    service.load(proposer, config, load_tokenizer(default_model_path()).fingerprint, "eagle3:random")
+    service.load(proposer, config, synthetic_tokenizer(config).fingerprint, "eagle3:random")
     owned = set()
     link = LocalDrafterLink(functools.partial(service.run_step, 0, owned), service.info, service.mismatch,
                             VerifierMetrics(), proposer.device, step_timeout=5.0,

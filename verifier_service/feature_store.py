@@ -14,9 +14,16 @@ rewritten while their request lives, and a slot is written only by the request i
 stays valid for its request. The buffer is sized like the KV cache: slots x max_context x feature width
 (15-20% of the target's KV bytes for the shipped shapes); on a CPU it is allocated untouched, so positions
 never written cost nothing.
+
+With the drafter on another GPU, the writes go on a side stream of the drafter's GPU. A copy between two GPUs
+makes the destination's stream wait for the source's: on the drafter's own stream, everything the drafter
+queued after a write (its tables for this very verification) would wait for the verification's forward.
+Whoever hands the drafter rows calls `ready` first, which makes the drafter's stream wait for the writes.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import numpy as np
 import torch
@@ -26,10 +33,15 @@ from specwire.staging import upload
 
 class FeatureStore:
     def __init__(self, slots: int, max_context: int, columns: slice | np.ndarray, width: int,
-                 dtype: torch.dtype, device: torch.device):
-        """columns: the feature table's columns the drafter asked for (`width` of them)."""
+                 dtype: torch.dtype, device: torch.device, source: torch.device | None = None):
+        """columns: the feature table's columns the drafter asked for (`width` of them); source: the device
+        the tables come from (the target's), when it is another GPU than `device`."""
         self.rows = torch.empty(slots, max_context, width, dtype=dtype, device=device)
         self._columns = columns if isinstance(columns, slice) else torch.as_tensor(columns)
+        device = torch.device(device)
+        crossing = device.type == "cuda" and source is not None and torch.device(source) != device
+        self._stream = torch.cuda.Stream(device) if crossing else None
+        self._written = torch.cuda.Event() if crossing else None
 
     def write(self, table: torch.Tensor, slots: list[int], positions: list[int]) -> None:
         """rows[slots[i], positions[i]] = the picked columns of table row i, for every i. Queued on both
@@ -37,8 +49,17 @@ class FeatureStore:
         n = len(slots)
         picked = table[:n, self._columns] if isinstance(self._columns, slice) else (
             table[:n].index_select(1, self._columns.to(table.device)))
-        where = upload(torch.tensor([slots, positions]), self.rows.device)
-        self.rows[where[0], where[1]] = picked.to(self.rows.device, self.rows.dtype)
+        with torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext():
+            where = upload(torch.tensor([slots, positions]), self.rows.device)
+            self.rows[where[0], where[1]] = picked.to(self.rows.device, self.rows.dtype)
+            if self._written is not None:
+                self._written.record(self._stream)
+
+    def ready(self) -> None:
+        """Makes the current stream of the store's device (the drafter's) wait for every write queued so far:
+        called before rows are handed to the drafter. Nothing to do when both sides share a device."""
+        if self._written is not None:
+            torch.cuda.current_stream(self.rows.device).wait_event(self._written)
 
     @property
     def flat(self) -> torch.Tensor:

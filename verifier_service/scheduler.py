@@ -946,6 +946,7 @@ class Scheduler:
         cells = [c for i in queue for c in self._store.cells(live[i].slot, starts[i], T)]
         if queue:  # the tokens come back as soon as the sampler is done, while the drafts are drafted
             self._tokens_back.start(sampled.packed)
+            self._store.ready()
         if queue and not self.link.queue_drafts([live[i].id for i in queue], wants, sampled.packed, queue,
                                                 self._store.flat, cells):
             for i in queue:
@@ -1038,7 +1039,7 @@ class Scheduler:
         self._feature_row_bytes = width * dtype.itemsize
         device = self.link.feature_device
         self._store = None if device is None else FeatureStore(
-            self.engine.max_slots, self.max_context, columns, width, dtype, device)
+            self.engine.max_slots, self.max_context, columns, width, dtype, device, self.engine.device)
 
     def _on_drafter_connect(self) -> None:
         """A fresh stream holds nothing: every live request is re-sent whole with its next step."""
@@ -1083,6 +1084,7 @@ class Scheduler:
         converted for the drafter (bytes as they are when it takes the dtype the target computes in), or
         views of the store for a drafter that takes tensors."""
         if self._store is not None:
+            self._store.ready()
             return [self._store.view(r.slot, max(start - 1, 0), len(r.tokens) - 1) for r, start in sends]
         return encode_arrays([(r.features[max(start - 1, 0):len(r.tokens) - 1][:, self._feature_columns],
                                r.features.dtype) for r, start in sends], self._feature_dtype)
