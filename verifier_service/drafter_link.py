@@ -127,10 +127,6 @@ class LocalDrafterLink(_StepResults):
         self._run_step, self._info, self._mismatch, self._inline = run_step, info, mismatch, inline
         self._queue, self._take = queue, take
         self.queues_drafts = queue is not None and take is not None
-        # A table step goes out once the verification it is for is launched: the drafter's thread would
-        # otherwise hold that launch back for the GIL (traced at the 8B shape, batch 1: the target's graph
-        # queued 0.3-0.5 ms later than in serial rounds), and it still drafts the tables well within it.
-        self.tables_after_launch = True
         self.feature_device = feature_device
         self.max_step_bytes = float("inf")  # features are handed over as tensors, not in the step
         self.metrics, self.step_timeout, self.max_in_flight = metrics, step_timeout, max_in_flight
@@ -277,7 +273,6 @@ class DrafterLink(_StepResults):
     """Sends DraftSteps and hands back their DraftResults, or None when the drafter cannot answer in time."""
 
     queues_drafts = False  # drafts queued on the device (LocalDrafterLink.queue_drafts): in-process only
-    tables_after_launch = False  # a remote drafter gets the whole verification to draft its tables in
 
     def __init__(
         self, target: str, metrics: VerifierMetrics,

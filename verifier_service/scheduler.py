@@ -512,20 +512,13 @@ class Scheduler:
                 return
         if sent is None:
             self._count_if_down()
-
-        def send_tables() -> None:  # the tables for this verification's outcomes
-            nonlocal sent
+        if tabling:  # the tables for this verification's outcomes: the step needs nothing from it, so it goes
+            # out first and the drafter has the whole verification to draft them
             self._table_sent_at = time.perf_counter()
             sent = self._send_step(live, "tables", checking=batch.num_drafts)
-
-        after_launch = None
-        if tabling and self.link.tables_after_launch:
-            after_launch = send_tables
-        elif tabling:  # the step needs nothing from the verification: the drafter gets all of it for them
-            send_tables()
             await asyncio.sleep(0)  # the link's writer puts it on the wire before this thread launches
         started = time.perf_counter()
-        step = await self._verify(live, batch, [] if caching else self._queueable(live, batch), after_launch)
+        step = await self._verify(live, batch, [] if caching else self._queueable(live, batch))
         round_trace.mark("v.verified")
         self._verify_seconds = time.perf_counter() - started
         tables = await self._tables(sent) if caching else None
@@ -546,8 +539,7 @@ class Scheduler:
                 if self._drafting.mode == "serial":  # the next round's drafts, for what this one settled
                     self._in_flight = self._send_step([r for r in live if r.live], "chains")
 
-    async def _verify(self, live: list[Request], batch: BatchDrafts, queue: list[int],
-                      after_launch: Callable[[], None] | None = None) -> _Step:
+    async def _verify(self, live: list[Request], batch: BatchDrafts, queue: list[int]) -> _Step:
         """One verification, while the last round's tokens go out; the next drafts of rows `queue` are queued
         behind its sampler. On CUDA this thread launches and collects it itself: the GPU does the work, and a
         hand-off to the worker thread and back cost about 0.1 ms each of a 1.3-2.8 ms batch-1 round
@@ -555,8 +547,6 @@ class Scheduler:
         it."""
         if self._verified is not None:
             launch = self._launch_verification(live, batch, queue)
-            if after_launch is not None:
-                after_launch()
             if launch.queued:  # the tokens are back before the drafts queued behind them are drafted
                 verified = self._tokens_back.ready
             else:
@@ -584,8 +574,6 @@ class Scheduler:
                                             lambda: loop.call_soon_threadsafe(_resolve, launched), queue)
         # Until the worker has started the verification, this thread keeps off the GIL it needs for that.
         await asyncio.wait((launched, verification), return_when=asyncio.FIRST_COMPLETED)
-        if after_launch is not None:
-            after_launch()
         self._finish_rounds()  # the last round's tokens go out while the verification runs
         return await verification
 
