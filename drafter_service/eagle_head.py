@@ -372,6 +372,30 @@ def load_eagle_head(
     return head
 
 
+@torch.no_grad()
+def widen_mlp(head: EagleHead, intermediate_size: int, target_weights: dict[str, torch.Tensor],
+              seed: int = 0) -> EagleHead:
+    """The same head with a wider MLP that computes the same function, to grow a trained head's capacity and
+    train on from it: the new gate and up rows start random (as init_weights draws them), the new
+    down_proj columns at zero, so the new units add nothing until training moves them."""
+    c, prefix = head.config, "layers.0." if head.config.arch == "eagle1" else "midlayer."
+    if intermediate_size < c.layer.intermediate_size:
+        raise ValueError(f"an MLP of {c.layer.intermediate_size} cannot widen to {intermediate_size}")
+    wide = EagleHead(replace(c, layer=replace(c.layer, intermediate_size=intermediate_size)), target_weights,
+                     head.dtype, head.device, head.cos_sin.shape[0])
+    wide.init_weights(seed)
+    sd = head.published_state_dict()
+    grown = wide.published_state_dict()
+    old = c.layer.intermediate_size
+    for name in ("gate_proj", "up_proj"):
+        key = f"{prefix}mlp.{name}.weight"
+        sd[key] = torch.cat([sd[key], grown[key][old:]])
+    down = f"{prefix}mlp.down_proj.weight"
+    sd[down] = torch.cat([sd[down], torch.zeros_like(grown[down][:, old:])], dim=1)
+    wide.load_published(sd)
+    return wide
+
+
 # draft_vocab_size of yuhuili/EAGLE3-LLaMA3.1-Instruct-8B's config.json
 RANDOM_DRAFT_VOCAB = 32_000
 

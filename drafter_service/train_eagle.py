@@ -26,6 +26,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -37,6 +38,7 @@ from specwire.drafter.eagle_head import (
     load_eagle_head,
     save_eagle_head,
     shared_target_weights,
+    widen_mlp,
 )
 from specwire.drafter.eagle_trainer import Trainer
 from specwire.drafter.self_distill import (
@@ -119,6 +121,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "(T = 1) acceptance directly (default 0: KL only)",
     )
     p.add_argument("--draft-vocab", type=int, default=8192, help="EAGLE-3 draft vocabulary size")
+    p.add_argument(
+        "--head-intermediate-size",
+        type=int,
+        default=0,
+        help="the head's MLP width (default 0: the target's for a new head, --init-head's own for a warm "
+        "start); wider than --init-head's grows it keeping what it computes (new units start silent)",
+    )
     p.add_argument("--checkpoint", help="folder for the data and training checkpoints (resumable)")
     p.add_argument("--checkpoint-every", type=int, default=500, help="steps between checkpoints")
     p.add_argument("--resume", action="store_true", help="continue the run saved in --checkpoint")
@@ -145,6 +154,8 @@ def _validate(args: argparse.Namespace) -> None:
         raise ValueError(f"--tv-weight must be >= 0, got {args.tv_weight}")
     if args.ttt_steps < 1:
         raise ValueError(f"--ttt-steps must be >= 1, got {args.ttt_steps}")
+    if args.head_intermediate_size < 0:
+        raise ValueError(f"--head-intermediate-size must be >= 0, got {args.head_intermediate_size}")
     if args.resume and not args.checkpoint:
         raise ValueError("--resume needs --checkpoint DIR")
     if not args.resume and not (args.data_dir or args.chat_prompts):
@@ -358,8 +369,12 @@ def _new_head(args: argparse.Namespace, engine: TargetEngine, train: list[Conver
                 f"--init-head {args.init_head} is {head.config.arch} with taps {head.config.aux_layers}, "
                 f"not --arch {args.arch} with {engine.aux_layers}"
             )
+        if args.head_intermediate_size:
+            head = widen_mlp(head, args.head_intermediate_size, shared, args.seed)
     else:
         config = EagleHeadConfig.for_target(target, args.arch, args.draft_vocab)
+        if width := args.head_intermediate_size:
+            config = replace(config, layer=replace(config.layer, intermediate_size=width))
         head = EagleHead(config, shared, torch.float32, engine.device, engine.max_context)
         head.init_weights(args.seed)
         if args.arch == "eagle3":

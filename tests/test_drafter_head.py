@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 from safetensors.torch import save_file
-from specwire.drafter.eagle_head import load_eagle_head, save_eagle_head
+from specwire.drafter.eagle_head import load_eagle_head, save_eagle_head, widen_mlp
 from torch import nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
@@ -228,3 +228,31 @@ def test_bad_checkpoints_raise_one_line_errors(tmp_path):
         load_eagle_head(tmp_path, target_config, target_sd)
     with pytest.raises(ModelLoadError, match="no config.json"):
         load_eagle_head(tmp_path / "nowhere", target_config, target_sd)
+
+
+@pytest.mark.parametrize("arch", ["eagle1", "eagle3"])
+def test_a_widened_mlp_computes_what_the_head_did(tmp_path, arch):
+    """widen_mlp grows a trained head's MLP for more training: the same outputs at first (the new units'
+    down_proj columns are zero), the new width in what it saves, and it never narrows."""
+    target_config, target_sd = tiny_target()
+    (tmp_path / "src").mkdir()
+    write_head(tmp_path / "src", arch, "safetensors")
+    head = load_eagle_head(tmp_path / "src", target_config, target_sd)
+    wide = widen_mlp(head, 3 * INTER, target_sd)
+    assert wide.config.layer.intermediate_size == 3 * INTER
+    g = torch.Generator().manual_seed(4)
+    ids = torch.randint(0, VOCAB, (1, 6), generator=g)
+    feats = torch.randn(1, 6, head.config.feature_dim, generator=g)
+    want, got = run_head(head, ids, feats, [4, 2]), run_head(wide, ids, feats, [4, 2])
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    prefix = "layers.0." if arch == "eagle1" else "midlayer."
+    grown = wide.published_state_dict()
+    assert grown[prefix + "mlp.down_proj.weight"].shape == (H, 3 * INTER)
+    assert not grown[prefix + "mlp.down_proj.weight"][:, INTER:].any()
+    assert grown[prefix + "mlp.gate_proj.weight"][INTER:].abs().sum() > 0  # random, so they can learn
+    save_eagle_head(wide, tmp_path / "dst", dtype=torch.float32)
+    again = load_eagle_head(tmp_path / "dst", target_config, target_sd)
+    assert again.config.layer.intermediate_size == 3 * INTER
+    torch.testing.assert_close(run_head(again, ids, feats, [4, 2]), want, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="cannot widen"):
+        widen_mlp(head, INTER // 2, target_sd)

@@ -312,6 +312,12 @@ def test_resume_from_checkpoint_equals_an_uninterrupted_run(tiny_target, data_di
     assert torch.equal(d["d2t"], a["d2t"]) and not torch.equal(d["fc.weight"], a["fc.weight"])
     step = (d["fc.weight"].float() - a["fc.weight"].float()).abs().max()
     assert step < 0.1 * a["fc.weight"].float().abs().max()
+    # A warm start that widens the head's MLP (64 -> 96): the new width in its config and tensors.
+    assert _train(tiny_target, data_dir, tmp_path / "w", "--init-head", str(so_far),
+                  "--head-intermediate-size", "96", "--stop-after-steps", "1") == 0
+    assert json.loads((tmp_path / "w" / "config.json").read_text())["intermediate_size"] == 96
+    w = load_file(tmp_path / "w" / "model.safetensors")
+    assert w["midlayer.mlp.down_proj.weight"].shape == (a["midlayer.mlp.down_proj.weight"].shape[0], 96)
     # Proof that the comparison can fail: a run with one step less ends elsewhere.
     assert _train(tiny_target, data_dir, tmp_path / "c", "--total-steps", "6") == 0
     c = load_file(tmp_path / "c" / "model.safetensors")
