@@ -132,7 +132,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-sizes", type=csv(int), default=[1, 8, 16, 32, 64])
     p.add_argument("--temperatures", type=csv(float), default=[0.0, 1.0])
     p.add_argument("--sweep-ks", type=csv(int), default=[2, 3, 5, 6],
-                   help="extra k values, two_gpus only, at --sweep-batch-sizes, after everything else")
+                   help="extra k values of --sweep-setup, at --sweep-batch-sizes, after everything else")
+    p.add_argument("--sweep-setup", default="two_gpus",
+                   help="the speculative setup the k sweep runs (one of --setups; default two_gpus)")
     p.add_argument("--sweep-batch-sizes", type=csv(int), default=[1, 16])
     p.add_argument("--colocated-lengths", type=csv(float), default=[3.0],
                    help="forced lengths the co-located setup runs (synthetic workload)")
@@ -161,6 +163,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if bad := [s for s in args.setups if s not in SETUPS]:
         p.error(f"unknown setup {bad[0]!r}")
+    if args.sweep_setup not in (*TWO_PROCESSES, *COLOCATED):
+        p.error(f"--sweep-setup must be a speculative setup ({', '.join((*TWO_PROCESSES, *COLOCATED))})")
     return args
 
 
@@ -193,10 +197,10 @@ Job = tuple[Workload, str, int, float | None, HitRate, list[int]]
 def jobs(args: argparse.Namespace, ws: list[Workload]) -> list[Job]:
     """The configurations in the order they run: target-only first (every speedup needs it), then two GPUs
     (over gRPC, then over the step socket) at the first length and cache setting, the other lengths, the
-    other cache settings, co-located (each cache setting), transformers, the k sweep (gRPC)."""
+    other cache settings, co-located (each cache setting), transformers, the k sweep (--sweep-setup)."""
     out = []
     twos, cos = [s for s in TWO_PROCESSES if s in args.setups], [s for s in COLOCATED if s in args.setups]
-    two = "two_gpus" in args.setups
+    sweep = args.sweep_setup if args.sweep_setup in args.setups else None
     for phase in range(7):
         for w in ws:
             length, hit = w.lengths[0], w.hit_rates[0]
@@ -216,8 +220,8 @@ def jobs(args: argparse.Namespace, ws: list[Workload]) -> list[Job]:
                         for s in cos for h in w.hit_rates for k in args.ks for x in lengths]
             if phase == 5 and "transformers" in args.setups:
                 out.append((w, "transformers", 0, None, None, args.hf_batch_sizes))
-            if phase == 6 and two:
-                out += [(w, "two_gpus", k, length, hit, args.sweep_batch_sizes) for k in args.sweep_ks
+            if phase == 6 and sweep:
+                out += [(w, sweep, k, length, hit, args.sweep_batch_sizes) for k in args.sweep_ks
                         if k not in args.ks]
     return out
 

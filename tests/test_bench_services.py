@@ -142,3 +142,22 @@ def test_the_link_benchmark_times_real_round_trips(tmp_path, mode):
         parts = sum(got[k]["mean_ms"] for k in ("way_out", "step", "way_back"))
         assert parts == pytest.approx(got["round_trip"]["mean_ms"])
         assert all(got[k]["p50_ms"] > 0 for k in ("way_out", "step", "way_back"))
+
+
+def test_the_k_sweep_runs_last_on_the_setup_asked_for():
+    import bench_services  # noqa: E402  (bench/ is not a package)
+
+    def jobs(*argv: str) -> list[tuple]:
+        args = bench_services.parse_args(["--workloads", "synthetic", "--lengths", "3", "--hit-rates", "off",
+                                          "--ks", "4", "--sweep-ks", "2,3,4", "--sweep-batch-sizes", "1,16",
+                                          *argv])
+        return [(setup, k, sizes) for _, setup, k, _, _, sizes in
+                bench_services.jobs(args, bench_services.workloads(args))]
+
+    swept = jobs("--setups", "target_only,colocated,two_gpus", "--sweep-setup", "colocated")
+    assert swept[-2:] == [("colocated", 2, [1, 16]), ("colocated", 3, [1, 16])]
+    assert ("two_gpus", 2, [1, 16]) not in swept
+    assert jobs("--setups", "target_only,two_gpus")[-1] == ("two_gpus", 3, [1, 16])  # the default
+    assert all(k == 4 or setup == "target_only" for setup, k, _ in jobs("--setups", "target_only,colocated"))
+    with pytest.raises(SystemExit):
+        jobs("--setups", "target_only,colocated", "--sweep-setup", "target_only")
