@@ -10,7 +10,7 @@ non-blocking copy and returns at once.
 Reading back goes through pinned memory too, waited for with an event: a plain `.cpu()` or `.tolist()` of a
 CUDA tensor copies into pageable memory, and while that copy waits for the stream, CUDA holds up every other
 thread's call into the device (bench/bench_cross_thread_wait.py: a co-located drafter's thread reading its
-tables held the verifier's launch until the tables were drafted, 1.8 ms a batch-1 round).
+tables held the verifier's launch until the tables were drafted, about 2 ms a batch-1 round).
 """
 
 from __future__ import annotations
