@@ -79,15 +79,45 @@ def upload(values: torch.Tensor, to: torch.device | torch.Tensor) -> torch.Tenso
     return values.to(device, non_blocking=True)
 
 
+class Readback:
+    """Device -> host copies into one pinned buffer reused from round to round (grown when too small):
+    `start` queues a non-blocking copy, `wait` returns the host tensor once it has landed (CPU tensors pass
+    through). What `wait` returned is overwritten by the next `start`."""
+
+    def __init__(self):
+        self._buffer: torch.Tensor | None = None
+        self._event: torch.cuda.Event | None = None
+        self._host: torch.Tensor | None = None
+        self._copying = False
+
+    def start(self, tensor: torch.Tensor) -> None:
+        self._copying = tensor.is_cuda
+        if not tensor.is_cuda:
+            self._host = tensor
+            return
+        n, buffer = tensor.numel(), self._buffer
+        if buffer is None or buffer.dtype != tensor.dtype or buffer.numel() < n:
+            grown = 2 * buffer.numel() if buffer is not None and buffer.dtype == tensor.dtype else 0
+            self._buffer = buffer = torch.empty(max(n, grown), dtype=tensor.dtype, pin_memory=True)
+        self._host = buffer[:n].view(tensor.shape)
+        self._host.copy_(tensor, non_blocking=True)
+        with torch.cuda.device(tensor.device):
+            self._event = self._event or torch.cuda.Event()
+            self._event.record()
+
+    def ready(self) -> bool:
+        """Whether `wait` would return at once."""
+        return not self._copying or self._event.query()
+
+    def wait(self) -> torch.Tensor:
+        if self._copying:
+            self._event.synchronize()
+        return self._host
+
+
 def read_back(tensor: torch.Tensor) -> torch.Tensor:
-    """`tensor` on the host (a CPU tensor as it is): copied into pinned memory and waited for with an event,
-    so that other threads' device calls go on meanwhile (see the module's docstring)."""
-    if not tensor.is_cuda:
-        return tensor
-    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-    host.copy_(tensor, non_blocking=True)
-    with torch.cuda.device(tensor.device):
-        copied = torch.cuda.Event()
-        copied.record()
-    copied.synchronize()
-    return host
+    """`tensor` on the host (a CPU tensor as it is), through a Readback of its own: pinned memory and an
+    event, so that other threads' device calls go on meanwhile (see the module's docstring)."""
+    readback = Readback()
+    readback.start(tensor)
+    return readback.wait()

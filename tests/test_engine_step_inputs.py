@@ -3,11 +3,10 @@ CUDA-graph inputs go over from one pinned block, and reads back to the host thro
 
 import pytest
 import torch
-from specwire.verifier.scheduler import _Readback
 from test_engine import close, tiny_checkpoint
 
 from specwire.engine import TargetEngine
-from specwire.staging import read_back
+from specwire.staging import Readback, read_back
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -62,7 +61,7 @@ def test_graph_inputs_from_the_pinned_block_match_eager_step_after_step():
 @pytest.mark.gpu
 @gpu
 def test_readback_copies_through_one_reused_pinned_buffer():
-    readback = _Readback()
+    readback = Readback()
     tables = [torch.randn(6, 32, device="cuda"), torch.randn(3, 32, device="cuda"),
               torch.randn(40, 32, device="cuda"), torch.randn(5, 16, device="cuda").bfloat16()]
     for table in tables:

@@ -61,7 +61,7 @@ from specwire.engine import TargetEngine
 from specwire.forced_acceptance import rates_tensor
 from specwire.metrics import VerifierMetrics
 from specwire.sampling_params import SamplingParams
-from specwire.staging import read_back
+from specwire.staging import Readback, read_back
 from specwire.step_profiler import StepProfiler
 from specwire.tokenizer import IncrementalDetokenizer, Tokenizer
 from specwire.v1 import drafter_pb2 as dpb
@@ -222,42 +222,6 @@ class SchedulerConfig:
     queue_drafts: bool | None = None
 
 
-class _Readback:
-    """Device -> host copies into one pinned buffer reused from round to round (grown when too small):
-    `start` queues a non-blocking copy, `wait` returns the host tensor once it has landed (CPU tensors pass
-    through). What `wait` returned is overwritten by the next `start`."""
-
-    def __init__(self):
-        self._buffer: torch.Tensor | None = None
-        self._event: torch.cuda.Event | None = None
-        self._host: torch.Tensor | None = None
-        self._copying = False
-
-    def start(self, tensor: torch.Tensor) -> None:
-        self._copying = tensor.is_cuda
-        if not tensor.is_cuda:
-            self._host = tensor
-            return
-        n, buffer = tensor.numel(), self._buffer
-        if buffer is None or buffer.dtype != tensor.dtype or buffer.numel() < n:
-            grown = 2 * buffer.numel() if buffer is not None and buffer.dtype == tensor.dtype else 0
-            self._buffer = buffer = torch.empty(max(n, grown), dtype=tensor.dtype, pin_memory=True)
-        self._host = buffer[:n].view(tensor.shape)
-        self._host.copy_(tensor, non_blocking=True)
-        with torch.cuda.device(tensor.device):
-            self._event = self._event or torch.cuda.Event()
-            self._event.record()
-
-    def ready(self) -> bool:
-        """Whether `wait` would return at once."""
-        return not self._copying or self._event.query()
-
-    def wait(self) -> torch.Tensor:
-        if self._copying:
-            self._event.synchronize()
-        return self._host
-
-
 @dataclass
 class _Step:
     """One verification's results."""
@@ -313,8 +277,8 @@ class Scheduler:
         self._feature_columns: np.ndarray | slice | None = None
         self._feature_dtype = torch.float32
         self._feature_row_bytes = 0  # one token's features as the drafter takes them
-        self._readback = _Readback()  # the worker's feature table on its way to the host
-        self._tokens_back = _Readback()  # the sampler's output, read before the drafts queued behind it
+        self._readback = Readback()  # the worker's feature table on its way to the host
+        self._tokens_back = Readback()  # the sampler's output, read before the drafts queued behind it
         self._store: FeatureStore | None = None  # instead, for a drafter that takes tensors (co-located)
         # Recorded after each verification the loop launches on CUDA: the loop polls it (see _verify).
         self._verified = torch.cuda.Event() if self.engine.device.type == "cuda" else None
