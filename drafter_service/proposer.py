@@ -803,8 +803,8 @@ class EagleProposer:
             top_q = self._br_top_q[:rows]
             top_idx = self._br_top_idx[:rows]
             top_idx = torch.where(top_q > 0, top_idx if to_target is None else to_target[top_idx], -1).int()
-            support = read_back((top_q > 0).sum(2)).tolist()  # [rows, K]: the width of each draft's q
             top_q, top_idx = read_back(top_q), read_back(top_idx)
+            support = (top_q > 0).sum(2).tolist()  # [rows, K]: the width of each draft's q
         tables = []
         for b, (r, n, k, t) in enumerate(zip(requests, counts, ks, temperature, strict=True)):
             table = []
