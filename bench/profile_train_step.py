@@ -20,7 +20,7 @@ import torch
 from specwire.drafter.eagle_head import EagleHead, EagleHeadConfig, shared_target_weights
 from specwire.drafter.eagle_trainer import Trainer
 from specwire.drafter.self_distill import Conversation, record_features
-from specwire.drafter.train_eagle import add_arguments, code_commit
+from specwire.drafter.train_eagle import DEFAULT_DRAFT_VOCAB, add_arguments, code_commit
 
 from specwire.config import default_aux_layers
 from specwire.engine import TargetEngine
@@ -90,7 +90,7 @@ def measure(engine: TargetEngine, data: list[Conversation], batch_tokens: int, a
     train_args = argparse.ArgumentParser()
     add_arguments(train_args)
     targs = train_args.parse_args(["--device", a.device, "--batch-tokens", str(batch_tokens)])
-    config = EagleHeadConfig.for_target(engine.config, "eagle3", targs.draft_vocab)
+    config = EagleHeadConfig.for_target(engine.config, "eagle3", targs.draft_vocab or DEFAULT_DRAFT_VOCAB)
     head = EagleHead(config, shared_target_weights(engine.model), torch.float32, engine.device, 1024)
     head.init_weights(0)
     vocab = engine.config.vocab_size

@@ -62,7 +62,7 @@ start)
     setsid bash -c "python3 -m specwire train-eagle --model $M/smol.gguf --data-dir .data \
         --chat-prompts .data/chat_prompts.npz --out $R/head --checkpoint $R/ckpt --device cuda $init \
         --max-minutes ${MINUTES:-15} --gen-fraction ${GEN_FRACTION:-0.25} --gen-batch 256 \
-        --self-instruct ${SELF_INSTRUCT:-4000} --lr ${LR:-6e-4} --draft-vocab ${DRAFT_VOCAB:-8192} \
+        --self-instruct ${SELF_INSTRUCT:-4000} --lr ${LR:-6e-4} ${DRAFT_VOCAB:+--draft-vocab $DRAFT_VOCAB} \
         ${TRAIN_ARGS:-} > $R/train.log 2>&1; echo \$? > $R/exit_code" < /dev/null &
     if [ -n "${GPU_TESTS:-}" ]; then
         python3 -m pytest -q -m gpu $GPU_TESTS 2>&1 | tee "$OUT/gpu_tests.log" | tail -15

@@ -56,3 +56,18 @@ def restricted_log_probs(
     log-probabilities [..., N] (the soft target of the draft head's forward KL), from the target's final
     hidden states [..., H]: only the draft vocabulary's rows of the output layer are computed (N of V)."""
     return torch.log_softmax(F.linear(hidden, lm_head_weight[draft_to_target]).float(), dim=-1)
+
+
+def inside_mass(
+    hidden: torch.Tensor, lm_head_weight: torch.Tensor, draft_to_target: torch.Tensor, rows: int = 4096
+) -> torch.Tensor:
+    """The share of the target's full next-token distribution that lies on the draft vocabulary, float32
+    [...], from its final hidden states [..., H]: no draft can be accepted on the rest, so a sampled draft's
+    chance of acceptance is sum min(mass x restricted p, q). Computed `rows` positions at a time, so the full
+    [positions, V] logits never exist at once."""
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    parts = []
+    for chunk in flat.split(rows):
+        logits = F.linear(chunk, lm_head_weight).float()
+        parts.append((torch.logsumexp(logits[:, draft_to_target], -1) - torch.logsumexp(logits, -1)).exp())
+    return torch.cat(parts).reshape(hidden.shape[:-1])

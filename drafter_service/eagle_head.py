@@ -396,6 +396,42 @@ def widen_mlp(head: EagleHead, intermediate_size: int, target_weights: dict[str,
     return wide
 
 
+@torch.no_grad()
+def grow_draft_vocab(head: EagleHead, draft_to_target: torch.Tensor,
+                     target_weights: dict[str, torch.Tensor]) -> EagleHead:
+    """The same EAGLE-3 head over a larger draft vocabulary (target ids, ascending), to raise the share of
+    the target's distribution a draft can land on and train on from it. Old tokens that stay keep
+    their trained output rows; a new token's row is the target's own output row for it, carried into the
+    head's space by the least-squares linear map that takes the target's rows of the old tokens to their
+    trained rows, so new tokens start with sensible logits instead of noise."""
+    c = head.config
+    if c.arch != "eagle3":
+        raise ValueError("only EAGLE-3 heads have a draft vocabulary")
+    old = head.draft_to_target.cpu()
+    new = draft_to_target.cpu().long()
+    if new.numel() < old.numel() or not bool((new[1:] > new[:-1]).all()):
+        raise ValueError(f"a draft vocabulary of {old.numel()} grows only into more ascending target ids, "
+                         f"got {new.numel()}")
+    if int(new.max()) >= c.target_vocab_size or int(new.min()) < 0:
+        raise ValueError(f"draft ids must map into the target vocabulary of {c.target_vocab_size}")
+    target_rows = target_weights.get("lm_head.weight", target_weights["model.embed_tokens.weight"])
+    target_rows = target_rows.float().cpu()
+    trained = head.lm_head.weight.float().cpu()
+    into_head = torch.linalg.lstsq(target_rows[old], trained).solution  # [H, H]
+    rows = target_rows[new] @ into_head
+    where_old = torch.full((c.target_vocab_size,), -1, dtype=torch.long)
+    where_old[old] = torch.arange(old.numel())
+    kept = where_old[new] >= 0
+    rows[kept] = trained[where_old[new][kept]]
+    grown = EagleHead(replace(c, draft_vocab_size=new.numel()), target_weights, head.dtype, head.device,
+                      head.cos_sin.shape[0])
+    sd = head.published_state_dict()
+    sd["lm_head.weight"] = rows.to(head.dtype)
+    sd["d2t"] = d2t_offsets(new)
+    grown.load_published(sd)
+    return grown
+
+
 # draft_vocab_size of yuhuili/EAGLE3-LLaMA3.1-Instruct-8B's config.json
 RANDOM_DRAFT_VOCAB = 32_000
 

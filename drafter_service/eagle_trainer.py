@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from specwire.drafter.draft_vocab import restricted_log_probs
+from specwire.drafter.draft_vocab import inside_mass, restricted_log_probs
 from specwire.drafter.eagle_head import EagleHead, save_eagle_head
 from specwire.drafter.self_distill import Conversation, Sample, record_features
 from specwire.drafter.train_state import load_train_state, save_train_state
@@ -86,7 +86,9 @@ class Trainer:
 
     def last_held_out(self) -> dict | None:
         """The latest held-out evaluation without its per-source breakdown (None before the first)."""
-        return {k: v for k, v in self.history[-1].items() if k != "per_source"} if self.history else None
+        if not self.history:
+            return None
+        return {k: v for k, v in self.history[-1].items() if k not in ("per_source", "per_answer")}
 
     def restore(self, path: str | Path) -> None:
         meta = load_train_state(path, self.params, self.optimizer, self.head.draft_to_target)
@@ -143,7 +145,11 @@ class Trainer:
 
     def _evaluate_into_history(self, held: list[Conversation]) -> None:
         self.history.append({"step": self.step, "epoch": self.epoch, **self.evaluate(held)})
-        tqdm.write(json.dumps({k: v for k, v in self.history[-1].items() if k != "per_source"}))
+        last = self.history[-1]
+        proxies = {kind: {k: v for k, v in m.items() if k.startswith("acceptance")}
+                   for kind, m in last["per_answer"].items()}
+        overall = {k: v for k, v in last.items() if not k.startswith("per_")}
+        tqdm.write(json.dumps({**overall, "per_answer": proxies}))
 
     def _batches(self, data: list[Conversation], epoch: int | None) -> list[list[int]]:
         """Length-sorted batches of about batch_tokens padded tokens; shuffled by (seed, epoch) if given."""
@@ -215,7 +221,7 @@ class Trainer:
 
     def _losses(self, batch: list[Sample], noise: float) -> dict[str, torch.Tensor]:
         head, x = self.head, self._inputs(batch)
-        eagle3 = head.config.arch == "eagle3"
+        eagle3, evaluating = head.config.arch == "eagle3", not torch.is_grad_enabled()
         feats = x["feats"]
         if noise:
             rms = feats.pow(2).mean(-1, keepdim=True).sqrt()
@@ -229,6 +235,9 @@ class Trainer:
             target_p = target_logp.exp()
             target_neg_entropy = (target_p * target_logp).sum(-1)
             target_top1 = target_logp.argmax(-1)
+            if evaluating:  # p's mass on the draft vocabulary: the rest is lost to every draft
+                mass = inside_mass(hidden, lm_head.weight, head.draft_to_target) if eagle3 else None
+                full_p = target_p * mass[..., None] if eagle3 else target_p
         total, result = 0.0, {}
         for j, out in enumerate(unroll(head, x["ids"], feats, self.args.ttt_steps)):
             m = step_mask(x["mask"], j).float()
@@ -239,10 +248,14 @@ class Trainer:
             if not eagle3:
                 feature = F.smooth_l1_loss(out.float(), x["target"], reduction="none").mean(-1)
                 loss = loss + FEATURE_LOSS_WEIGHT * (feature * m).sum() / denom
-            if self.args.tv_weight or not torch.is_grad_enabled():  # the loss needs it, or an evaluation
+            if self.args.tv_weight or evaluating:  # the loss needs it, or an evaluation
                 accept = (overlap(target_p, logits) * m).sum() / denom
                 loss = loss + self.args.tv_weight * (1.0 - accept)
                 result[f"overlap_{j + 1}"] = accept.detach()
+            if evaluating:  # what a draft sampled from q is accepted with at T = 1, on the full vocabulary
+                result[f"accept_t1_{j + 1}"] = (overlap(full_p, logits) * m).sum() / denom
+                if j == 0 and eagle3:
+                    result["inside_mass"] = (mass * m).sum() / denom
             agree = ((logits.argmax(-1) == target_top1).float() * m).sum() / denom
             result |= {f"loss_{j + 1}": loss.detach(), f"top1_{j + 1}": agree.detach()}
             total = total + self.args.ttt_decay**j * loss
@@ -253,16 +266,22 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self, held: list[Conversation]) -> dict:
-        """Held-out metrics over all held-out conversations and, under "per_source", for each source."""
-        by_source: dict[str, list[Conversation]] = defaultdict(list)
+        """Held-out metrics over all held-out conversations, under "per_source" for each source, and under
+        "per_answer" for greedy and for sampled responses apart: a T = 0 run drafts on greedy text, a T = 1
+        run on sampled text, so each proxy reads true on its own kind (its metrics computed on both)."""
+        groups: dict[tuple[str, str], list[Conversation]] = defaultdict(list)
         for c in held:
-            by_source[c.source].append(c)
-        sums = {name: self._metric_sums(group) for name, group in sorted(by_source.items())}
+            groups[c.source, answer_kind(c.temperature)].append(c)
+        sums = {key: self._metric_sums(group) for key, group in sorted(groups.items())}
         total: Counter = Counter()
-        for part in sums.values():
-            total.update(part)  # update() keeps zero sums, unlike +
+        per: dict[str, dict[str, Counter]] = {"per_source": defaultdict(Counter),
+                                               "per_answer": defaultdict(Counter)}
+        for (source, kind), part in sums.items():
+            for counter in (total, per["per_source"][source], per["per_answer"][kind]):
+                counter.update(part)  # update() keeps zero sums, unlike +
         steps = self.args.ttt_steps
-        return {**_metrics(total, steps), "per_source": {n: _metrics(p, steps) for n, p in sums.items()}}
+        breakdowns = {k: {n: _metrics(p, steps) for n, p in v.items()} for k, v in per.items()}
+        return {**_metrics(total, steps), **breakdowns}
 
     def _metric_sums(self, data: list[Conversation]) -> Counter:
         sums: Counter = Counter()
@@ -292,6 +311,13 @@ def overlap(target_p: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
     return torch.minimum(target_p, torch.softmax(logits, -1)).sum(-1)
 
 
+def answer_kind(temperature: float) -> str:
+    """"greedy", "sampled", or "unrecorded" (data distilled before answers kept their temperature)."""
+    if math.isnan(temperature):
+        return "unrecorded"
+    return "sampled" if temperature > 0 else "greedy"
+
+
 def chain_length(rates: list[float]) -> float:
     """Expected tokens a round of a draft chain yields, 1 + a1 + a1 a2 + ..., for each draft step's rate of
     acceptance given the earlier drafts were accepted (steps taken as independent)."""
@@ -305,9 +331,11 @@ def chain_length(rates: list[float]) -> float:
 def _metrics(sums: Counter, steps: int) -> dict[str, float]:
     """Position-weighted losses, top-1 agreements and (evaluations) overlaps per draft step, and the
     acceptance-length proxies 1 + a1 + a1 a2 + ... (k = 4 chain; a_j is step j's top-1 agreement, or for
-    the T = 1 proxy its overlap, given the earlier drafts were accepted)."""
+    the T = 1 proxy its acceptance on the full vocabulary, accept_t1_j, given the earlier drafts were
+    accepted). overlap_j is against p renormalised on the draft vocabulary, as the loss sees it."""
     metrics = {k: round(v / max(sums["n"], 1), 4) for k, v in sums.items() if k != "n"}
-    for rate, name in (("top1", "acceptance_length_proxy_k4"), ("overlap", "acceptance_length_proxy_k4_t1")):
+    proxies = (("top1", "acceptance_length_proxy_k4"), ("accept_t1", "acceptance_length_proxy_k4_t1"))
+    for rate, name in proxies:
         if f"{rate}_1" in metrics:
             rates = [metrics[f"{rate}_{min(j, steps)}"] for j in range(1, PROXY_K + 1)]
             metrics[name] = round(chain_length(rates), 3)

@@ -43,6 +43,7 @@ class Conversation(NamedTuple):
     tokens: list[int]
     prompt_len: int
     source: str
+    temperature: float = 0.0  # the response's sampling temperature (0: greedy; NaN: not recorded)
 
 
 T = TypeVar("T")
@@ -243,8 +244,8 @@ def distill(
             for _ in ids
         ]
         results = engine.generate(ids, params)
-        for i, r, p in zip(ids, results, chunk, strict=True):
-            out.append(Conversation(i + r.token_ids, len(i), p.source))
+        for i, r, p, sp in zip(ids, results, chunk, params, strict=True):
+            out.append(Conversation(i + r.token_ids, len(i), p.source, sp.temperature))
         bar.update(len(ids))
     bar.close()
     return out

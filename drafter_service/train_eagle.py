@@ -35,6 +35,7 @@ from specwire.drafter.draft_vocab import choose_draft_vocab, coverage
 from specwire.drafter.eagle_head import (
     EagleHead,
     EagleHeadConfig,
+    grow_draft_vocab,
     load_eagle_head,
     save_eagle_head,
     shared_target_weights,
@@ -56,13 +57,14 @@ from specwire.drafter.self_distill import (
 from specwire.drafter.sharegpt import load_prompt_ids
 from specwire.drafter.token_store import load_token_lists, save_token_lists
 
-from specwire.config import default_aux_layers
+from specwire.config import ModelConfig, default_aux_layers
 from specwire.default_model import resolve_model_path
 from specwire.engine import TargetEngine, default_device, parse_device
 from specwire.tokenizer import load_tokenizer
 from specwire.weights import load_checkpoint
 
 DEFAULT_OUT = "drafter_service/heads/smollm2-135m-eagle"
+DEFAULT_DRAFT_VOCAB = 8192
 INSTRUCT_SHARE = 0.25  # of the data budget for writing instructions; answering prompts is the rest
 DATA_FILE, DATA_LOG = "data.npz", "data.json"
 
@@ -120,7 +122,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="weight of a total-variation term 1 - sum min(p, q) beside the forward KL: it aims at sampled "
         "(T = 1) acceptance directly (default 0: KL only)",
     )
-    p.add_argument("--draft-vocab", type=int, default=8192, help="EAGLE-3 draft vocabulary size")
+    p.add_argument(
+        "--draft-vocab",
+        type=int,
+        default=0,
+        help=f"EAGLE-3 draft vocabulary size (default 0: {DEFAULT_DRAFT_VOCAB} for a new head, --init-head's "
+        "own for a warm start); larger than --init-head's grows it: the most frequent response tokens, the "
+        "new ones' output rows mapped from the target's",
+    )
     p.add_argument(
         "--head-intermediate-size",
         type=int,
@@ -156,6 +165,8 @@ def _validate(args: argparse.Namespace) -> None:
         raise ValueError(f"--ttt-steps must be >= 1, got {args.ttt_steps}")
     if args.head_intermediate_size < 0:
         raise ValueError(f"--head-intermediate-size must be >= 0, got {args.head_intermediate_size}")
+    if args.draft_vocab < 0:
+        raise ValueError(f"--draft-vocab must be >= 0, got {args.draft_vocab}")
     if args.resume and not args.checkpoint:
         raise ValueError("--resume needs --checkpoint DIR")
     if not args.resume and not (args.data_dir or args.chat_prompts):
@@ -321,6 +332,7 @@ def save_data(folder: Path, train: list[Conversation], held: list[Conversation],
         [c.tokens for c in rows],
         prompt_len=np.asarray([c.prompt_len for c in rows], dtype=np.int32),
         source=np.asarray([c.source for c in rows]),
+        temperature=np.asarray([c.temperature for c in rows], dtype=np.float32),
         held_out=np.asarray([i >= len(train) for i in range(len(rows))]),
     )
     (folder / DATA_LOG).write_text(json.dumps(log, indent=2) + "\n")
@@ -328,9 +340,12 @@ def save_data(folder: Path, train: list[Conversation], held: list[Conversation],
 
 def load_data(folder: Path) -> tuple[list[Conversation], list[Conversation], dict]:
     lists, cols = load_token_lists(folder / DATA_FILE)
+    temperature = cols.get("temperature", np.full(len(lists), np.nan))  # not recorded before session 21
     rows = [
-        (Conversation(t, int(n), str(s)), bool(h))
-        for t, n, s, h in zip(lists, cols["prompt_len"], cols["source"], cols["held_out"], strict=True)
+        (Conversation(t, int(n), str(s), float(temp)), bool(h))
+        for t, n, s, temp, h in zip(
+            lists, cols["prompt_len"], cols["source"], temperature, cols["held_out"], strict=True
+        )
     ]
     log = json.loads((folder / DATA_LOG).read_text())
     return [c for c, h in rows if not h], [c for c, h in rows if h], log
@@ -371,20 +386,26 @@ def _new_head(args: argparse.Namespace, engine: TargetEngine, train: list[Conver
             )
         if args.head_intermediate_size:
             head = widen_mlp(head, args.head_intermediate_size, shared, args.seed)
+        if args.arch == "eagle3" and args.draft_vocab > head.config.draft_vocab_size:
+            head = grow_draft_vocab(head, _frequent_responses(train, args.draft_vocab, target), shared)
     else:
-        config = EagleHeadConfig.for_target(target, args.arch, args.draft_vocab)
+        config = EagleHeadConfig.for_target(target, args.arch, args.draft_vocab or DEFAULT_DRAFT_VOCAB)
         if width := args.head_intermediate_size:
             config = replace(config, layer=replace(config.layer, intermediate_size=width))
         head = EagleHead(config, shared, torch.float32, engine.device, engine.max_context)
         head.init_weights(args.seed)
         if args.arch == "eagle3":
-            responses = (c.tokens[c.prompt_len :] for c in train)
-            chosen = choose_draft_vocab(responses, config.draft_vocab_size, target.vocab_size)
-            head.draft_to_target.copy_(chosen)
+            head.draft_to_target.copy_(_frequent_responses(train, config.draft_vocab_size, target))
     head.requires_grad_(False)
     for p in head.trainable_parameters().values():
         p.requires_grad_(True)
     return head
+
+
+def _frequent_responses(train: list[Conversation], size: int, target: ModelConfig) -> torch.Tensor:
+    """The draft vocabulary: the `size` target ids most frequent in the training responses."""
+    responses = (c.tokens[c.prompt_len :] for c in train)
+    return choose_draft_vocab(responses, min(size, target.vocab_size), target.vocab_size)
 
 
 def _vocab_log(head: EagleHead, train: list[Conversation], held: list[Conversation]) -> dict | None:

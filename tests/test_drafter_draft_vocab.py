@@ -6,6 +6,7 @@ from specwire.drafter.draft_vocab import (
     choose_draft_vocab,
     coverage,
     d2t_offsets,
+    inside_mass,
     restricted_log_probs,
     t2d_mask,
 )
@@ -38,6 +39,17 @@ def test_restricted_log_probs_renormalise_the_target_over_the_draft_vocab():
     restricted = restricted_log_probs(hidden, lm_head, ids)
     assert restricted.dtype == torch.float32
     torch.testing.assert_close(restricted.exp(), p / p.sum(-1, keepdim=True))
+
+
+def test_inside_mass_is_the_full_distributions_share_on_the_draft_vocab():
+    g = torch.Generator().manual_seed(0)
+    hidden, lm_head = torch.randn(2, 5, 6, generator=g), torch.randn(12, 6, generator=g)
+    ids = torch.tensor([0, 2, 3, 7, 11])
+    p = torch.softmax(hidden @ lm_head.T, -1)
+    mass = inside_mass(hidden, lm_head, ids, rows=3)  # 10 positions in chunks of 3, 3, 3, 1
+    assert mass.shape == (2, 5) and mass.dtype == torch.float32
+    torch.testing.assert_close(mass, p[..., ids].sum(-1))
+    torch.testing.assert_close(inside_mass(hidden, lm_head, torch.arange(12)), torch.ones(2, 5))
 
 
 def test_reduced_vocab_drafts_map_to_target_ids_and_stay_lossless(tmp_path):

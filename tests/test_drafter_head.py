@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 from safetensors.torch import save_file
-from specwire.drafter.eagle_head import load_eagle_head, save_eagle_head, widen_mlp
+from specwire.drafter.eagle_head import grow_draft_vocab, load_eagle_head, save_eagle_head, widen_mlp
 from torch import nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
@@ -256,3 +256,45 @@ def test_a_widened_mlp_computes_what_the_head_did(tmp_path, arch):
     torch.testing.assert_close(run_head(again, ids, feats, [4, 2]), want, atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="cannot widen"):
         widen_mlp(head, INTER // 2, target_sd)
+
+
+def test_a_grown_draft_vocabulary_keeps_the_trained_logits_and_maps_the_targets_rows_in(tmp_path):
+    """grow_draft_vocab widens an EAGLE-3 head's draft vocabulary for more training: old tokens keep their
+    logits exactly; a new token's output row is the target's row for it carried through the linear map
+    taking the target's rows of the old tokens onto their trained rows; it saves, loads, never shrinks."""
+    target_config, target_sd = tiny_target()
+    (tmp_path / "src").mkdir()
+    write_head(tmp_path / "src", "eagle3", "safetensors")
+    head = load_eagle_head(tmp_path / "src", target_config, target_sd)
+    old = head.draft_to_target.tolist()
+    unseen = [t for t in range(VOCAB) if t not in old]
+    a, b, t = old[0], old[5], unseen[0]
+    target_rows = target_sd["lm_head.weight"]
+    target_rows[t] = 0.25 * target_rows[a] + 0.75 * target_rows[b]  # a token the map must place exactly
+    new = torch.tensor(sorted(old + unseen[:20]))
+    grown = grow_draft_vocab(head, new, target_sd)
+    assert grown.config.draft_vocab_size == len(old) + 20 and grown.draft_to_target.tolist() == new.tolist()
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, VOCAB, (1, 6), generator=g)
+    feats = torch.randn(1, 6, head.config.feature_dim, generator=g)
+    out = run_head(head, ids, feats, [6])
+    torch.testing.assert_close(run_head(grown, ids, feats, [6]), out)  # the same layer: the same outputs
+    position = {tok: i for i, tok in enumerate(new.tolist())}
+    kept = torch.tensor([position[tok] for tok in old])
+    torch.testing.assert_close(grown.logits(out)[..., kept], head.logits(out))
+    rows = grown.lm_head.weight
+    torch.testing.assert_close(rows[position[t]], 0.25 * rows[position[a]] + 0.75 * rows[position[b]],
+                               atol=1e-4, rtol=1e-4)
+    assert all(rows[position[tok]].abs().sum() > 0 for tok in unseen[:20])
+    save_eagle_head(grown, tmp_path / "dst", dtype=torch.float32)
+    again = load_eagle_head(tmp_path / "dst", target_config, target_sd)
+    assert again.draft_to_target.tolist() == new.tolist()
+    torch.testing.assert_close(again.logits(out), grown.logits(out))
+    with pytest.raises(ValueError, match="grows only"):
+        grow_draft_vocab(head, new[:10], target_sd)
+    with pytest.raises(ValueError, match="grows only"):
+        grow_draft_vocab(head, new.flip(0), target_sd)
+    (tmp_path / "e1").mkdir()
+    write_head(tmp_path / "e1", "eagle1", "safetensors")
+    with pytest.raises(ValueError, match="only EAGLE-3"):
+        grow_draft_vocab(load_eagle_head(tmp_path / "e1", target_config, target_sd), new, target_sd)

@@ -134,12 +134,24 @@ def test_train_eagle_smoke_writes_a_loadable_head(tiny_target, data_dir, tmp_pat
     assert log["data"]["train_conversations"] == sum(c["train_conversations"] for c in counts.values())
     last = log["held_out"][-1]
     assert 0.0 <= last["top1_1"] <= 1.0 and 0.0 <= last["overlap_1"] <= 1.0
-    assert 1.0 <= last["acceptance_length_proxy_k4_t1"] <= 5.0
     assert ("overlap_1" in log["curve"][-1]) == bool(loss)  # training steps compute it only for the loss
     per_source = last["per_source"]
     assert set(per_source) == {name for name, c in counts.items() if c["held_out_conversations"]}
     assert all(0.0 <= m["top1_1"] <= 1.0 for m in per_source.values())
     assert sum(m["positions"] for m in per_source.values()) == last["positions"] > 0
+    # Greedy and sampled responses apart (the default samples half), each with both proxies; the T = 1 one
+    # counts p's mass off the draft vocabulary as lost, so it never exceeds the renormalised overlap.
+    per_answer = last["per_answer"]
+    assert set(per_answer) <= {"greedy", "sampled"} and per_answer
+    assert sum(m["positions"] for m in per_answer.values()) == last["positions"]
+    for m in (last, *per_answer.values()):
+        assert 1.0 <= m["acceptance_length_proxy_k4_t1"] <= 5.0
+        for j in range(1, 5):
+            assert 0.0 <= m[f"accept_t1_{j}"] <= m[f"overlap_{j}"] + 1e-6
+        if arch == "eagle3":
+            assert 0.0 < m["inside_mass"] <= 1.0 + 1e-6
+        else:  # a full-vocabulary head loses no mass
+            assert "inside_mass" not in m and all(m[f"accept_t1_{j}"] == m[f"overlap_{j}"] for j in (1, 2))
     lines = [json.loads(line) for line in (tmp_path / "heldout.jsonl").read_text().splitlines()]
     assert Counter(line["source"] for line in lines) == {
         name: c["held_out_prompts"] for name, c in counts.items() if c["held_out_prompts"]
@@ -285,6 +297,8 @@ def test_resume_from_checkpoint_equals_an_uninterrupted_run(tiny_target, data_di
     log_a, log_b = (json.loads((tmp_path / d / "train_log.json").read_text()) for d in ("a", "b"))
     assert log_a["steps"] == log_b["steps"] == 7
     assert log_a["curve"] == log_b["curve"] and len(log_a["curve"]) == 7  # same losses at every step
+    # the held-out answers' temperatures come back from the checkpoint too: the same per-answer split
+    assert log_a["held_out"][-1] == log_b["held_out"][-1] and log_b["held_out"][-1]["per_answer"]
     assert [s["to_step"] for s in log_b["sessions"]] == [3, 7]
     a, b = (load_file(tmp_path / d / "model.safetensors") for d in ("a", "b"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -318,6 +332,13 @@ def test_resume_from_checkpoint_equals_an_uninterrupted_run(tiny_target, data_di
     assert json.loads((tmp_path / "w" / "config.json").read_text())["intermediate_size"] == 96
     w = load_file(tmp_path / "w" / "model.safetensors")
     assert w["midlayer.mlp.down_proj.weight"].shape == (a["midlayer.mlp.down_proj.weight"].shape[0], 96)
+    # A warm start that grows the draft vocabulary (256 -> 300): the old ids kept, the log says the size.
+    assert _train(tiny_target, data_dir, tmp_path / "v", "--init-head", str(so_far),
+                  "--draft-vocab", "300", "--stop-after-steps", "1") == 0
+    v = load_file(tmp_path / "v" / "model.safetensors")
+    grown_ids, old_ids = (set((torch.arange(len(x["d2t"])) + x["d2t"]).tolist()) for x in (v, a))
+    assert v["lm_head.weight"].shape[0] == len(grown_ids) == 300 and old_ids < grown_ids
+    assert json.loads((tmp_path / "v" / "train_log.json").read_text())["draft_vocab"]["size"] == 300
     # Proof that the comparison can fail: a run with one step less ends elsewhere.
     assert _train(tiny_target, data_dir, tmp_path / "c", "--total-steps", "6") == 0
     c = load_file(tmp_path / "c" / "model.safetensors")
