@@ -19,13 +19,18 @@ from collections.abc import Awaitable, Callable, Mapping
 import grpc
 import numpy as np
 import torch
-from specwire.drafter.proposer import VERIFYING_CHAIN, EagleProposer, Proposal, ProposerError
+from specwire.drafter.proposer import (
+    VERIFYING_CHAIN,
+    EagleProposer,
+    Proposal,
+    ProposerError,
+    drafts_per_request,
+)
 
 from specwire import round_trace
 from specwire.config import ModelConfig
 from specwire.grpc_common import DEFAULT_MAX_MESSAGE_BYTES
 from specwire.metrics import DrafterMetrics
-from specwire.staging import read_back
 from specwire.step_profiler import StepProfiler
 from specwire.step_socket import FrameError, MessageSocket
 from specwire.v1 import drafter_pb2 as pb
@@ -364,37 +369,20 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
 
     def _split(self, wants: list[pb.DraftWant], proposal: Proposal, temperature: list[float],
                top_k: list[int], result: pb.DraftResult) -> None:
-        """Adds one Proposal per request with drafts to `result`; q cut back to each row's own kind and width.
-        Everything comes to the host in one copy per tensor, then is sliced there (sparse q in numpy: torch
-        calls per request took 0.3-0.6 ms a batch-16 step on the 2-core CPU, 0.2 ms now:
-        bench/bench_sampled_q_host.py)."""
-        ids = proposal.token_ids.tolist()
-        counts = proposal.num_drafts.tolist()
-        q = proposal.probs
-        dense = sparse = None
-        if q is not None and q.is_dense:
-            dense = read_back(q.probs)
-        elif q is not None:
-            sparse = read_back(q.indices.to(torch.int32)).numpy(), read_back(q.values.float()).numpy()
-        cut: list[tuple[pb.Proposal, np.ndarray, np.ndarray]] = []  # sparse rows to encode in one go
-        start = 0
-        for w, k, t, tk in zip(wants, counts, temperature, top_k, strict=True):
-            rows, start = slice(start, start + k), start + k
-            if k == 0:
-                continue
-            message = result.proposals.add(request_id=w.request_id, draft_token_ids=ids[rows])
-            if t == 0:
-                message.probs_kind = pb.PROBS_KIND_NONE
-            elif tk == 0:
+        """Adds one Proposal per request with drafts to `result`, q cut back to each row's own kind and width;
+        the sparse rows are encoded in one go."""
+        cut: list[tuple[pb.Proposal, np.ndarray, np.ndarray]] = []
+        for drafts in drafts_per_request(proposal, temperature, top_k, torch.int32):
+            message = result.proposals.add(request_id=wants[drafts.index].request_id,
+                                           draft_token_ids=drafts.token_ids)
+            if drafts.dense is not None:
                 message.probs_kind = pb.PROBS_KIND_DENSE
-                message.probs.CopyFrom(encode_tensor(dense[rows]))
-            else:
+                message.probs.CopyFrom(encode_tensor(torch.from_numpy(drafts.dense)))
+            elif drafts.sparse is not None:
                 message.probs_kind = pb.PROBS_KIND_SPARSE
-                if sparse is None:  # a dense batch: this row's support is its top-K, so topk is exact
-                    values, indices = dense[rows].topk(tk, dim=1)
-                    cut.append((message, indices.to(torch.int32).numpy(), values.numpy()))
-                else:
-                    cut.append((message, sparse[0][rows, :tk], sparse[1][rows, :tk]))
+                cut.append((message, *drafts.sparse))
+            else:
+                message.probs_kind = pb.PROBS_KIND_NONE
         if cut:
             indices = encode_arrays([(i, torch.int32) for _, i, _ in cut], torch.int32)
             values = encode_arrays([(v, torch.float32) for _, _, v in cut], torch.float32)

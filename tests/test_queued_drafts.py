@@ -150,8 +150,7 @@ def test_queued_drafts_reach_the_verifier_as_a_draft_result_would(tmp_path, top_
     decoded = read_result(result, dict(zip(order, wants, strict=True)), VOCAB)
     assert not decoded.invalid and len(decoded.drafts) == 3
 
-    handed = _drafts_by_request(order, wants, proposal.token_ids.tolist(), proposal.num_drafts.tolist(),
-                                proposal.probs)
+    handed = _drafts_by_request(order, wants, proposal)
     assert handed.keys() == decoded.drafts.keys()
     for rid in order:
         got, want = handed[rid], decoded.drafts[rid]

@@ -20,12 +20,11 @@ from dataclasses import dataclass
 
 import grpc
 import torch
-from specwire.kernels.rejection_sampler import DraftProbs
+from specwire.drafter.proposer import Proposal, drafts_per_request
 from specwire.verifier.alignment import Drafts, Want
 
 from specwire import grpc_common, round_trace
 from specwire.metrics import VerifierMetrics
-from specwire.staging import read_back
 from specwire.step_socket import FrameError, MessageSocket
 from specwire.v1 import drafter_pb2 as pb
 from specwire.v1 import drafter_pb2_grpc
@@ -212,8 +211,7 @@ class LocalDrafterLink(_StepResults):
         except Exception as e:
             self._failed(e)
             return None
-        return _drafts_by_request(request_ids, wants, proposal.token_ids.tolist(),
-                                  proposal.num_drafts.tolist(), proposal.probs)
+        return _drafts_by_request(request_ids, wants, proposal)
 
     def drop_drafts(self) -> None:
         """The verification the queued drafts follow lost its result: the drafter frees their requests
@@ -241,31 +239,19 @@ class LocalDrafterLink(_StepResults):
             future.set_result(result)
 
 
-def _drafts_by_request(request_ids: list[str], wants: list[Want], ids: list[int], counts: list[int],
-                       q: DraftProbs | None) -> dict[str, Drafts]:
-    """An in-process drafter's drafts per request, each with q of the kind its want asked for (none for
-    greedy, top-K for truncated sampling, dense for untruncated), read to the host in one copy per tensor.
-    Made in this process from the verifier's own features, they are not checked as a message is."""
-    dense = sparse = None
-    if q is not None and q.is_dense:
-        dense = read_back(q.probs)
-    elif q is not None:
-        sparse = read_back(q.indices), read_back(q.values)
-    out, start = {}, 0
-    for rid, want, k in zip(request_ids, wants, counts, strict=True):
-        rows, start = slice(start, start + k), start + k
-        if k == 0:
-            continue
-        if want.temperature == 0:
-            out[rid] = Drafts(ids[rows])
-        elif want.top_k == 0:
-            out[rid] = Drafts(ids[rows], probs=dense[rows])
-        elif sparse is not None:
-            width = want.top_k
-            out[rid] = Drafts(ids[rows], indices=sparse[0][rows, :width], values=sparse[1][rows, :width])
-        else:  # a dense batch: this row's support is its top-K, so topk is exact
-            values, indices = dense[rows].topk(want.top_k, dim=1)
-            out[rid] = Drafts(ids[rows], indices=indices, values=values)
+def _drafts_by_request(request_ids: list[str], wants: list[Want], proposal: Proposal) -> dict[str, Drafts]:
+    """An in-process drafter's drafts per request, each with q of the kind its want asked for. Made in this
+    process from the verifier's own features, they are not checked as a message is."""
+    out = {}
+    temperature, top_k = [w.temperature for w in wants], [w.top_k for w in wants]
+    for d in drafts_per_request(proposal, temperature, top_k, torch.int64):
+        if d.dense is not None:
+            out[request_ids[d.index]] = Drafts(d.token_ids, probs=torch.from_numpy(d.dense))
+        elif d.sparse is not None:
+            indices, values = map(torch.from_numpy, d.sparse)
+            out[request_ids[d.index]] = Drafts(d.token_ids, indices=indices, values=values)
+        else:
+            out[request_ids[d.index]] = Drafts(d.token_ids)
     return out
 
 
