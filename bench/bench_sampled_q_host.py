@@ -1,7 +1,8 @@
 """Host time of a serial step's sampled drafts on the CPU: the drafter packing each request's sparse q into
-its DraftResult (DrafterService._split) and the verifier checking them (alignment.read_result), at a batch
-of requests with k drafts each from a top-K q over SmolLM2's vocabulary. Prints one line per function: the
-mean of --calls calls after 20 warm-up ones.
+its DraftResult (DrafterService._split) and the verifier checking them (alignment.read_result), or, with the
+drafter in the verifier's process, the link handing them over without a message (_drafts_by_request), at a
+batch of requests with k drafts each from a top-K q over SmolLM2's vocabulary. Prints one line per function:
+the mean of --calls calls after 20 warm-up ones.
 
     python bench/bench_sampled_q_host.py --batch 16 --k 4 --top-k 64
 """
@@ -16,6 +17,7 @@ from specwire.drafter.proposer import Proposal
 from specwire.drafter.server import DrafterService
 from specwire.kernels.rejection_sampler import DraftProbs
 from specwire.verifier.alignment import Want, read_result
+from specwire.verifier.drafter_link import _drafts_by_request
 
 from specwire.metrics import DrafterMetrics
 from specwire.v1 import drafter_pb2 as pb
@@ -48,8 +50,10 @@ def main() -> int:
     result = split()
     asked = {str(i): Want(k, 1.0, K) for i in range(B)}
     assert len(read_result(result, asked, VOCAB).drafts) == B  # every proposal passes its checks
-    for name, fn in (("DrafterService._split", split), ("alignment.read_result",
-                                                          lambda: read_result(result, asked, VOCAB))):
+    in_process = [str(i) for i in range(B)], list(asked.values()), proposal
+    for name, fn in (("DrafterService._split", split),
+                     ("alignment.read_result", lambda: read_result(result, asked, VOCAB)),
+                     ("drafter_link._drafts_by_request", lambda: _drafts_by_request(*in_process))):
         timeit.timeit(fn, number=20)
         us = timeit.timeit(fn, number=args.calls) / args.calls * 1e6
         print(f"{name}: {us:,.0f} us a step (batch {B}, k {k}, top-{K})")
