@@ -332,7 +332,7 @@ def save_data(folder: Path, train: list[Conversation], held: list[Conversation],
         [c.tokens for c in rows],
         prompt_len=np.asarray([c.prompt_len for c in rows], dtype=np.int32),
         source=np.asarray([c.source for c in rows]),
-        temperature=np.asarray([c.temperature for c in rows], dtype=np.float32),
+        temperature=np.asarray([c.temperature for c in rows], dtype=np.float64),
         held_out=np.asarray([i >= len(train) for i in range(len(rows))]),
     )
     (folder / DATA_LOG).write_text(json.dumps(log, indent=2) + "\n")

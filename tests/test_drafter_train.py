@@ -2,9 +2,11 @@
 from a capped, stratified prompt mix. The mix helpers (cap, stratified split, instruction screening) alone."""
 
 import json
+import math
 from collections import Counter
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -12,14 +14,17 @@ from hypothesis import given
 from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 from specwire.drafter.eagle_head import load_eagle_head
-from specwire.drafter.eagle_trainer import forward_kl, overlap
+from specwire.drafter.eagle_trainer import answer_kind, forward_kl, overlap
 from specwire.drafter.self_distill import (
+    Conversation,
     cap_source_shares,
     normalise,
     prompt_text,
     screen_instruction,
     split_per_source,
 )
+from specwire.drafter.token_store import save_token_lists
+from specwire.drafter.train_eagle import DATA_FILE, load_data, save_data
 
 from specwire.cli import main
 from specwire.config import ModelConfig
@@ -170,6 +175,25 @@ def test_train_eagle_smoke_writes_a_loadable_head(tiny_target, data_dir, tmp_pat
 def test_train_eagle_rejects_bad_budget(tiny_target, data_dir, tmp_path, capsys):
     rc = train_cli(tiny_target, data_dir, tmp_path, "--max-minutes", "0")
     assert rc == 2 and "--max-minutes must be > 0" in capsys.readouterr().err
+
+
+def test_distilled_data_keeps_each_answers_temperature(tmp_path):
+    """save_data / load_data carry each answer's temperature, so a resumed run splits its held-out answers as
+    the first did; data saved before the column existed loads as "unrecorded", never as greedy."""
+    train = [Conversation([1, 2, 3, 4], 2, "a", 0.0), Conversation([5, 6, 7], 1, "b", 1.0)]
+    held = [Conversation([8, 9, 10], 1, "a", 0.7)]
+    save_data(tmp_path, train, held, {"n": 3})
+    assert load_data(tmp_path) == (train, held, {"n": 3})
+    assert [answer_kind(c.temperature) for c in train + held] == ["greedy", "sampled", "sampled"]
+    rows = train + held
+    save_token_lists(tmp_path / DATA_FILE, [c.tokens for c in rows],
+                     prompt_len=np.asarray([c.prompt_len for c in rows], dtype=np.int32),
+                     source=np.asarray([c.source for c in rows]),
+                     held_out=np.asarray([False, False, True]))  # the columns before session 21
+    old_train, old_held, _ = load_data(tmp_path)
+    assert [c.tokens for c in old_train + old_held] == [c.tokens for c in rows]
+    assert all(math.isnan(c.temperature) and answer_kind(c.temperature) == "unrecorded"
+               for c in old_train + old_held)
 
 
 def test_overlap_is_one_minus_the_total_variation_distance():
