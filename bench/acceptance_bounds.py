@@ -25,7 +25,7 @@ import time
 import torch
 from specwire.drafter.eagle_head import load_eagle_head, shared_target_weights
 from specwire.drafter.eagle_trainer import Trainer, chain_length
-from specwire.drafter.self_distill import Prompt, distill, record_features
+from specwire.drafter.self_distill import Conversation, Prompt, distill, record_features
 from specwire.drafter.train_eagle import DEFAULT_OUT, add_arguments, code_commit
 from specwire.drafter.ttt import step_mask, unroll
 
@@ -53,31 +53,52 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
-@torch.no_grad()
-def main() -> None:
-    a = parse_args()
-    path = resolve_model_path(a.model)
+def held_out_engine(model: str | None, device: str) -> TargetEngine:
+    """The target with its EAGLE-3 taps and its tokenizer, to answer held-out questions."""
+    path = resolve_model_path(model)
     config, state_dict = load_checkpoint(path)
     engine = TargetEngine(
-        device=a.device,
+        device=device,
         max_slots=16,
         max_context=1024,
         aux_layers=default_aux_layers(config.num_layers),
         checkpoint=(config, state_dict),
     )
     engine.tokenizer = load_tokenizer(path)
-    head = load_eagle_head(
-        a.head, config, shared_target_weights(engine.model), torch.float32, engine.device, 1024
-    )
-    with open(a.prompts) as f:
-        lines = f.read().splitlines()[: a.limit]
+    return engine
+
+
+def held_out_answers(engine: TargetEngine, prompts_file: str, limit: int, max_tokens: int, temperature: float,
+                     seed: int) -> list[Conversation]:
+    """The target's answers to the first `limit` questions of prompts_file, all greedy or all sampled."""
+    with open(prompts_file) as f:
+        lines = f.read().splitlines()[:limit]
     prompts = [Prompt("heldout", json.loads(line)["prompt"]) for line in lines]
-    rng = random.Random(a.seed)
-    sampled = 1.0 if a.temperature > 0 else 0.0  # the share of answers sampled, not greedy
+    sampled = 1.0 if temperature > 0 else 0.0  # the share of answers sampled, not greedy
     no_deadline = time.monotonic() + 1e9
-    conversations = distill(
-        engine, prompts, a.max_tokens, sampled, a.temperature or 1.0, rng, no_deadline, 16, "answers"
+    return distill(engine, prompts, max_tokens, sampled, temperature or 1.0, random.Random(seed), no_deadline,
+                   16, "answers")
+
+
+def provenance(engine: TargetEngine, head: str) -> dict:
+    """The command, date, machine, commit and head of this run, for its result file."""
+    return {
+        "command": "python " + " ".join(sys.argv),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "machine": torch.cuda.get_device_name() if engine.device.type == "cuda" else "cpu",
+        "commit": code_commit(),
+        "head": head,
+    }
+
+
+@torch.no_grad()
+def main() -> None:
+    a = parse_args()
+    engine = held_out_engine(a.model, a.device)
+    head = load_eagle_head(
+        a.head, engine.config, shared_target_weights(engine.model), torch.float32, engine.device, 1024
     )
+    conversations = held_out_answers(engine, a.prompts, a.limit, a.max_tokens, a.temperature, a.seed)
     train_args = argparse.ArgumentParser()
     add_arguments(train_args)
     trainer = Trainer(head, engine, train_args.parse_args(["--ttt-steps", str(K)]), cuda=False)
@@ -109,11 +130,7 @@ def main() -> None:
     }
     proxy = {name: round(chain_length(rates), 3) for name, rates in per_step.items()}
     result = {
-        "command": "python bench/acceptance_bounds.py " + " ".join(sys.argv[1:]),
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "machine": torch.cuda.get_device_name() if engine.device.type == "cuda" else "cpu",
-        "commit": code_commit(),
-        "head": a.head,
+        **provenance(engine, a.head),
         "answers": {"temperature": a.temperature, "conversations": len(conversations)},
         "positions_per_step": [int(n) for n in positions],
         "per_step": per_step,

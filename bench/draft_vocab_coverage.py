@@ -14,21 +14,16 @@ way, choosing its new tokens by frequency in the whole training set instead.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import sys
 
 import torch
+from acceptance_bounds import held_out_answers, held_out_engine, provenance
 from safetensors.torch import load_file
-from specwire.drafter.self_distill import Conversation, chat_ids, record_features
-from specwire.drafter.train_eagle import DEFAULT_OUT, code_commit
+from specwire.drafter.draft_vocab import t2d_mask
+from specwire.drafter.self_distill import record_features
+from specwire.drafter.train_eagle import DEFAULT_OUT
 
-from specwire.config import default_aux_layers
-from specwire.default_model import resolve_model_path
 from specwire.engine import TargetEngine
-from specwire.sampling_params import SamplingParams
-from specwire.tokenizer import load_tokenizer
-from specwire.weights import load_checkpoint
 
 
 def parse_args() -> argparse.Namespace:
@@ -40,21 +35,18 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--sizes", default="12288,16384,24576", help="larger vocabulary sizes to report")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out")
     return p.parse_args()
 
 
-def answer_distributions(engine: TargetEngine, prompts: list[list[int]], temperature: float, max_tokens: int
+def answer_distributions(engine: TargetEngine, a: argparse.Namespace, temperature: float
                          ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Per answer: the target's next-token distributions [n, V] over its response, and the response's ids."""
-    params = [SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=i)
-              for i in range(len(prompts))]
-    results = engine.generate(prompts, params)
-    conversations = [Conversation(list(p) + list(r.token_ids), len(p), "heldout")
-                     for p, r in zip(prompts, results, strict=True)]
+    answers = held_out_answers(engine, a.prompts, a.limit, a.max_tokens, temperature, a.seed)
     weight = engine.model.lm_head.weight.float()
     probs, tokens = [], []
-    for s in record_features(engine, conversations):
+    for s in record_features(engine, answers):
         probs.append(torch.softmax(s.hidden[s.prompt_len - 1 : -1].float() @ weight.T, -1).cpu())
         tokens.append(s.tokens[s.prompt_len :].cpu())
     return probs, tokens
@@ -70,29 +62,13 @@ def reach(inside: torch.Tensor, probs: torch.Tensor, tokens: torch.Tensor) -> di
 @torch.no_grad()
 def main() -> None:
     a = parse_args()
-    path = resolve_model_path(a.model)
-    config, state_dict = load_checkpoint(path)
-    engine = TargetEngine(device=a.device, max_slots=16, max_context=1024,
-                          aux_layers=default_aux_layers(config.num_layers), checkpoint=(config, state_dict))
-    engine.tokenizer = load_tokenizer(path)
+    engine = held_out_engine(a.model, a.device)
     d2t = load_file(f"{a.head}/model.safetensors")["d2t"].long()
-    V = config.vocab_size
-    base = torch.zeros(V, dtype=torch.bool)
-    base[torch.arange(d2t.numel()) + d2t] = True
-    with open(a.prompts) as f:
-        questions = [json.loads(line)["prompt"] for line in f.read().splitlines()[: a.limit]]
-    prompts = [chat_ids(engine, q)[-400:] for q in questions]
+    base = t2d_mask(torch.arange(d2t.numel()) + d2t, engine.config.vocab_size)
     sizes = [int(n) for n in a.sizes.split(",")]
-    result = {
-        "command": "python bench/draft_vocab_coverage.py " + " ".join(sys.argv[1:]),
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "machine": torch.cuda.get_device_name() if engine.device.type == "cuda" else "cpu",
-        "commit": code_commit(),
-        "head": a.head,
-        "by_temperature": {},
-    }
+    result = {**provenance(engine, a.head), "by_temperature": {}}
     for temperature in (0.0, 1.0):
-        probs, tokens = answer_distributions(engine, prompts, temperature, a.max_tokens)
+        probs, tokens = answer_distributions(engine, a, temperature)
         half = len(probs) // 2
         mass_first = torch.cat(probs[:half]).sum(0)
         held = torch.cat(probs[half:]), torch.cat(tokens[half:])
