@@ -9,8 +9,9 @@ forced mean acceptance lengths and speculation-cache hit rates; at several batch
 writes services_h200x2.json (SmolLM2) and services_8b_synthetic_h200x2.json (the synthetic 8B shape); see
 bench/README.md for the device command, bench/plot_services.py for the plots. Every point sends `batch`
 requests at once (fixed length: ignore_eos; unseeded, since the verifier asks seeded requests for greedy
-drafts and users rarely seed), `--repeats` times; with `--loads sustained`, also `batch` requests in flight
-at a time (lanes that each send their next request when the last one ends, `--repeats` requests a lane; a
+drafts and users rarely seed), `--repeats` times and at least `--min-requests` requests in all; with `--loads
+sustained`, also `batch` requests in flight at a time (lanes that each send their next request when the last
+one ends, as many requests a lane; a
 static batch lasts until its slowest request ends, which speculation's varying acceptance makes later than
 target-only's), and reads:
 
@@ -143,6 +144,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hf-max-tokens", type=int, default=32, help="tokens per transformers request")
     p.add_argument("--max-tokens", type=int, default=128, help="tokens per request")
     p.add_argument("--repeats", type=int, default=2, help="batches per point (requests per lane, sustained)")
+    p.add_argument("--min-requests", type=int, default=16,
+                   help="more batches where --repeats would send fewer requests than this (small batches: "
+                        "3 requests of batch 1 measured co-located SmolLM2 at 0.87x, 16 at 1.45x, one lease)")
     p.add_argument("--loads", type=csv(load_kind), default=["batch"],
                    help="batch (all of a batch sent at once, --repeats times) and/or sustained (batch "
                         "requests in flight at a time; batch sizes > 1)")
@@ -226,6 +230,11 @@ def jobs(args: argparse.Namespace, ws: list[Workload]) -> list[Job]:
     return out
 
 
+def batches_per_point(batch: int, repeats: int, min_requests: int) -> int:
+    """`repeats` batches, or more where that is fewer than `min_requests` requests."""
+    return max(repeats, -(-min_requests // batch))
+
+
 def measure(client: Client, port: int, metric_ports: dict[str, int | None], gpus: list[int],
             prompts: list[str], batches: list[int], args: argparse.Namespace) -> list[dict]:
     """Rows of one running configuration: every (batch, temperature, load), after a short warm-up of each
@@ -239,7 +248,8 @@ def measure(client: Client, port: int, metric_ports: dict[str, int | None], gpus
             for load in args.loads:
                 if load == "sustained" and batch == 1:  # one request at a time either way
                     continue
-                chosen = [prompts[i % len(prompts)] for i in range(args.repeats * batch)]
+                repeats = batches_per_point(batch, args.repeats, args.min_requests)
+                chosen = [prompts[i % len(prompts)] for i in range(repeats * batch)]
                 before = {name: scrape(p) for name, p in metric_ports.items()}
                 wall, timings = 0.0, []
                 with GpuBusy(gpus) as busy:
@@ -247,7 +257,7 @@ def measure(client: Client, port: int, metric_ports: dict[str, int | None], gpus
                         wall, timings = client.run_sustained(port, chosen, batch, args.max_tokens,
                                                              temperature)
                     else:
-                        for r in range(args.repeats):
+                        for r in range(repeats):
                             seconds, got = client.run_batch(port, chosen[r * batch:(r + 1) * batch],
                                                             args.max_tokens, temperature)
                             wall, timings = wall + seconds, timings + got
@@ -422,8 +432,8 @@ def main(argv: list[str] | None = None) -> int:
         "commit": commit(args.commit), "machine": machine(),
         "prompts": {"file": args.prompts, "source_prefix": args.prompt_source,
                     "max_bytes": args.max_prompt_bytes, "count": len(prompts)},
-        "max_tokens": args.max_tokens, "repeats": args.repeats, "loads": args.loads,
-        "max_context": args.max_context,
+        "max_tokens": args.max_tokens, "repeats": args.repeats, "min_requests": args.min_requests,
+        "loads": args.loads, "max_context": args.max_context,
         "client_processes": args.client_processes,
         "devices": {"drafter": args.drafter_device, "verifier": args.verifier_device},
         # the services read their defaults from these; a run under SPECWIRE_SWITCH_INTERVAL=... says so

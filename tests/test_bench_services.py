@@ -90,7 +90,8 @@ def test_the_harness_runs_the_setups_side_by_side_on_the_cpu(tmp_path):
             "--synthetic-verifier-args", "--draft-timeout 30 --table-wait-ms 30000",
             "--batch-sizes", "2", "--loads", "batch,sustained", "--chunk-times",
             "--temperatures", "0", "--sweep-ks", "", "--max-tokens", "12", "--repeats", "2",
-            "--drafter-device", "cpu", "--verifier-device", "cpu", "--out-dir", str(tmp_path), "--tag", "t"]
+            "--min-requests", "4", "--drafter-device", "cpu", "--verifier-device", "cpu",
+            "--out-dir", str(tmp_path), "--tag", "t"]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     report = json.loads((tmp_path / "services_tiny_synthetic_t.json").read_text())
@@ -161,3 +162,12 @@ def test_the_k_sweep_runs_last_on_the_setup_asked_for():
     assert all(k == 4 or setup == "target_only" for setup, k, _ in jobs("--setups", "target_only,colocated"))
     with pytest.raises(SystemExit):
         jobs("--setups", "target_only,colocated", "--sweep-setup", "target_only")
+
+
+def test_small_batches_send_at_least_min_requests():
+    import bench_services  # noqa: E402  (bench/ is not a package)
+
+    assert bench_services.batches_per_point(1, 3, 16) == 16
+    assert bench_services.batches_per_point(16, 3, 16) == 3
+    assert bench_services.batches_per_point(5, 2, 16) == 4  # 20 requests: whole batches only
+    assert bench_services.batches_per_point(64, 2, 0) == 2
