@@ -81,7 +81,7 @@ def drafts_per_request(proposal: Proposal, temperature: list[float], top_k: list
     rows their dense q, the rest their top-K (indices as index_dtype). Each tensor comes to the host in one
     copy and is sliced there in numpy (torch calls per request took 0.3-0.6 ms a batch-16 step on the 2-core
     CPU: bench/bench_sampled_q_host.py)."""
-    ids, counts, q = proposal.token_ids.tolist(), proposal.num_drafts.tolist(), proposal.probs
+    ids, counts, q = read_back(proposal.token_ids).tolist(), proposal.num_drafts.tolist(), proposal.probs
     dense = sparse = None
     if q is not None and q.is_dense:
         dense = read_back(q.probs).numpy()
@@ -404,9 +404,11 @@ class EagleProposer:
             self._draft_loop(size, mode, steps=max(ks))
         self._queued = (requests, ks, temperature, top_k)
 
-    def take_queued(self, counts: list[int]) -> Proposal:
+    def take_queued(self, counts: list[int], on_device: bool = False) -> Proposal:
         """The drafts queued by queue_after_verification (waits for them), once the host has read how many
-        tokens each request settled (its sampler count, 0 for a failed row): those tokens are committed."""
+        tokens each request settled (its sampler count, 0 for a failed row): those tokens are committed.
+        on_device: the draft ids stay on this device as well, not waited for (unless dynamic depth must
+        read how many are confident)."""
         if self._queued is None:
             return self._empty_proposal()
         (requests, ks, temperature, top_k), self._queued = self._queued, None
@@ -414,7 +416,7 @@ class EagleProposer:
             raise ProposerError(f"{len(counts)} counts for {len(requests)} queued requests")
         for r, n in zip(requests, counts, strict=True):
             r.num_cached += n
-        return self._proposal(ks, temperature, top_k)
+        return self._proposal(ks, temperature, top_k, on_device)
 
     def _prefill_overflow(self, requests: list[_Request]) -> None:
         """Commit pending pairs beyond the graph's first-step width (new prompts), keeping one: by the
@@ -865,21 +867,27 @@ class EagleProposer:
         empty = torch.zeros(0, dtype=torch.int64, device=self.device)
         return Proposal(empty, torch.zeros(0, dtype=torch.int32), None)
 
-    def _proposal(self, ks: list[int], temperature: list[float], top_k: list[int]) -> Proposal:
+    def _proposal(self, ks: list[int], temperature: list[float], top_k: list[int], on_device: bool = False
+                  ) -> Proposal:
         """Pack rows [b, :k_b] of the output buffers (k_b cut at the row's confident drafts under dynamic
-        depth); choose the smallest exact q payload."""
+        depth); choose the smallest exact q payload. on_device: token ids as a tensor on this device, read
+        by no one here (the host learns k_b, so it waits only for dynamic depth)."""
         if self.min_confidence:
             ks = [min(k, n) for k, n in zip(ks, read_back(self._confident[:len(ks)]).tolist(), strict=True)]
         K = self.max_drafts
-        rows = read_back(self._tokens[:len(ks)]).tolist()  # the wait for the drafts, and their one copy back
-        token_ids = torch.tensor([t for row, k in zip(rows, ks, strict=True) for t in row[:k]],
-                                 dtype=torch.int64)
-        num_drafts = torch.tensor(ks, dtype=torch.int32)
         sampled = [(t, tk) for t, tk, k in zip(temperature, top_k, ks, strict=True) if t > 0 and k > 0]
+        if on_device or sampled:  # the rows' cells of the [B, K] output buffers
+            index = torch.tensor([b * K + j for b, k in enumerate(ks) for j in range(k)], dtype=torch.int64)
+            index = upload(index, self.device)
+        if on_device:
+            token_ids = self._tokens.flatten().index_select(0, index)
+        else:
+            rows = read_back(self._tokens[:len(ks)]).tolist()  # the wait for the drafts, and their one copy
+            token_ids = torch.tensor([t for row, k in zip(rows, ks, strict=True) for t in row[:k]],
+                                     dtype=torch.int64)
+        num_drafts = torch.tensor(ks, dtype=torch.int32)
         if not sampled:
             return Proposal(token_ids, num_drafts, None)
-        index = torch.tensor([b * K + j for b, k in enumerate(ks) for j in range(k)], dtype=torch.int64)
-        index = upload(index, self.device)
         to_target = self.head.draft_to_target
         top_idx = self._top_idx.flatten(0, 1).index_select(0, index)
         top_q = self._top_q.flatten(0, 1).index_select(0, index)

@@ -267,12 +267,14 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
                                    [min(k, p.max_drafts) for k in num_drafts], temperature, top_k)
         self._queued, self._queue_seconds = keys, time.perf_counter() - started
 
-    def take_drafts(self, owned: set[str], counts: list[int] | None) -> Proposal | None:
-        """The queued drafts, once `counts` (tokens each request settled) are known. counts None: the
-        verification's result was lost, so what the drafter holds of these requests is unknown: they are
-        freed (the verifier re-sends them whole) and no drafts come back."""
+    def take_drafts(self, owned: set[str], counts: list[int] | None, on_device: bool = False
+                    ) -> Proposal | None:
+        """The queued drafts, once `counts` (tokens each request settled) are known (on_device: their ids
+        left on the device, not waited for). counts None: the verification's result was lost, so what the
+        drafter holds of these requests is unknown: they are freed (the verifier re-sends them whole) and no
+        drafts come back."""
         started, keys, self._queued = time.perf_counter(), self._queued, []
-        proposal = self.proposer.take_queued([0] * len(keys) if counts is None else counts)
+        proposal = self.proposer.take_queued([0] * len(keys) if counts is None else counts, on_device)
         if counts is None:
             for key in keys:
                 self._free(key, owned)

@@ -248,6 +248,11 @@ class StepGraphs:
         self._inputs.send()
         return size
 
+    def write_cells(self, cells: Sequence[int], values: torch.Tensor) -> None:
+        """After prepare: input ids at flat cells (row * width + column) of the batch take `values`, a
+        tensor on the device, queued behind prepare's copy."""
+        self.input_ids.view(-1).index_copy_(0, upload(torch.tensor(cells), self.input_ids.device), values)
+
     def replay(self, size: int) -> Any:
         """Replay; the returned output buffers are overwritten by the next replay."""
         self.graphs[size].replay()
@@ -439,22 +444,35 @@ class TargetEngine:
 
     @on_own_device
     def verify(
-        self, slots: Sequence[int], token_lists: Sequence[Sequence[int]], start_positions: Sequence[int]
+        self, slots: Sequence[int], token_lists: Sequence[Sequence[int]], start_positions: Sequence[int],
+        device_drafts: torch.Tensor | None = None,
     ) -> StepOutput:
         """Row b feeds token_lists[b] = [last token, d_1..d_k] at start_positions[b]...; returns logits,
-        hidden and aux for every fed token, rows concatenated: [sum(1 + k_b), ...]."""
+        hidden and aux for every fed token, rows concatenated: [sum(1 + k_b), ...]. device_drafts: every
+        row's drafts concatenated [sum k_b], on this device, in place of token_lists[b][1:] (which then only
+        give each row's length): drafts made on the device are fed without a wait for the host. They are the
+        verifier's own drafter's, not checked against the vocabulary."""
         counts = [len(t) for t in token_lists]
         if not counts or min(counts) < 1:
             raise ValueError("verify needs at least one token per row")
         width = max(counts)
-        for tokens in token_lists:
-            self.check_token_ids(tokens)
+        draft_cells = None
+        if device_drafts is None:
+            for tokens in token_lists:
+                self.check_token_ids(tokens)
+        else:
+            self.check_token_ids([tokens[0] for tokens in token_lists])
+            draft_cells = [(b, j) for b, n in enumerate(counts) for j in range(1, n)]
+            if device_drafts.shape != (len(draft_cells),) or device_drafts.device != self.device:
+                raise ValueError(f"device_drafts must be [{len(draft_cells)}] on {self.device}, got "
+                                 f"{list(device_drafts.shape)} on {device_drafts.device}")
         ids = torch.tensor([[*tokens, *[0] * (width - len(tokens))] for tokens in token_lists])
         out = self._step(
             self._step_input(slots, torch.int32),
             ids,
             torch.tensor(counts, dtype=torch.int32),
             self._step_input(start_positions, torch.int32),
+            None if draft_cells is None else (draft_cells, device_drafts.to(torch.int64)),
         )
         # Graph outputs have the captured grid's row stride; eager ones the batch's own. When every row is
         # full the fed tokens lead the grid, and a slice (cloned: graph buffers are reused) picks them.
@@ -471,15 +489,25 @@ class TargetEngine:
         return StepOutput(pick(out.logits), pick(out.hidden.flatten(0, 1)), aux)
 
     def _step(
-        self, slots: torch.Tensor, tokens: torch.Tensor, num_tokens: torch.Tensor, positions: torch.Tensor
+        self, slots: torch.Tensor, tokens: torch.Tensor, num_tokens: torch.Tensor, positions: torch.Tensor,
+        on_device: tuple[list[tuple[int, int]], torch.Tensor] | None = None,
     ) -> ModelOutput:
         """One decode/verify step: replays the narrowest CUDA graph that fits, else runs eagerly. Inputs are
-        best on the host: a graph sends them over in one copy, the eager path moves them."""
+        best on the host: a graph sends them over in one copy, the eager path moves them. on_device:
+        ((row, column) cells of `tokens`, values on the device) written over those cells once moved."""
         graphs = self.graphs_for(*tokens.shape)
         if graphs is not None:
-            return graphs.replay(graphs.prepare(slots, tokens, num_tokens, positions))
+            size = graphs.prepare(slots, tokens, num_tokens, positions)
+            if on_device is not None:
+                graphs.write_cells([b * graphs.width + j for b, j in on_device[0]], on_device[1])
+            return graphs.replay(size)
         device = self.device
-        return self.model(tokens.to(device), positions.to(device), num_tokens.to(device), slots.to(device),
+        tokens = tokens.to(device)
+        if on_device is not None:
+            width = tokens.shape[1]
+            cells = upload(torch.tensor([b * width + j for b, j in on_device[0]]), device)
+            tokens.view(-1).index_copy_(0, cells, on_device[1])
+        return self.model(tokens, positions.to(device), num_tokens.to(device), slots.to(device),
                           self.cache, aux_layers=self.aux_layers)
 
     def graphs_for(self, batch: int, width: int) -> StepGraphs | None:

@@ -36,19 +36,22 @@ class Settled:
         self.cells = cells.flatten().tolist()
         self.counts = [max(n, 0) for n in counts.values()]
 
-    def queue(self, s: Setup, ks: list[int], temps: list[float], top_k: list[int]):
+    def queue(self, s: Setup, ks: list[int], temps: list[float], top_k: list[int], on_device: bool = False):
         device = s.head.device
         s.proposer.queue_after_verification(self.order, self.packed.to(device), self.rows,
                                             self.flat.to(device, s.head.dtype), self.cells, ks, temps, top_k)
         for rid, (ids, feats) in self.tokens.items():  # what the reference has seen from now on
             old_ids, old_feats = s.history[rid]
             s.history[rid] = (old_ids + ids, torch.cat([old_feats, feats]))
-        return s.proposer.take_queued(self.counts)
+        return s.proposer.take_queued(self.counts, on_device)
 
 
+@pytest.mark.parametrize("on_device", [False, True], ids=["read", "left_on_device"])
 @pytest.mark.parametrize("device", ["cpu", on_cuda()])
 @pytest.mark.parametrize("arch", ["eagle1", "eagle3"])
-def test_queued_greedy_drafts_are_the_reference_chains(tmp_path, arch, device):
+def test_queued_greedy_drafts_are_the_reference_chains(tmp_path, arch, device, on_device):
+    """Also with the draft ids left on the drafter's device (take_queued(on_device=True)), as a co-located
+    verifier feeds them to its next verification."""
     s = Setup(tmp_path, arch, device=device)
     for rid, n in [("a", 9), ("b", 3), ("c", 12), ("d", 5), ("e", 4)]:
         s.add(rid, n)
@@ -57,8 +60,9 @@ def test_queued_greedy_drafts_are_the_reference_chains(tmp_path, arch, device):
     # a verification settles 1..k + 1 tokens per request; e's row failed (count -1: nothing settles)
     order, ks = ["c", "a", "e", "d", "b"], [4, 3, 2, 4, 1]
     settled = Settled(s, {"c": T, "a": 1, "e": -1, "d": 3, "b": 2})
-    p = settled.queue(s, ks, [0.0] * 5, [0] * 5)
+    p = settled.queue(s, ks, [0.0] * 5, [0] * 5, on_device)
     assert p.probs is None and p.num_drafts.tolist() == ks
+    assert p.token_ids.device.type == (device if on_device else "cpu")
     chains = split(p)
     for rid, k, chain in zip(order, ks, chains, strict=True):
         if rid != "e":  # a failed row's drafts are never used
@@ -71,12 +75,13 @@ def test_queued_greedy_drafts_are_the_reference_chains(tmp_path, arch, device):
     p = s.proposer.propose(["a", "e", "c"], [4, 4, 2], [0.0] * 3, [0] * 3)
     assert split(p) == [greedy_chain(s, r, k) for r, k in [("a", 4), ("e", 4), ("c", 2)]]
     # and another queued round on top of those
-    p = Settled(s, {"e": 4, "a": 1}, seed=4).queue(s, [3, 4], [0.0, 0.0], [0, 0])
+    p = Settled(s, {"e": 4, "a": 1}, seed=4).queue(s, [3, 4], [0.0, 0.0], [0, 0], on_device)
     assert split(p) == [greedy_chain(s, "e", 3), greedy_chain(s, "a", 4)]
 
 
+@pytest.mark.parametrize("on_device", [False, True], ids=["read", "left_on_device"])
 @pytest.mark.parametrize("arch", ["eagle1", "eagle3"])
-def test_queued_sampled_drafts_ship_the_q_a_draft_step_would(tmp_path, arch):
+def test_queued_sampled_drafts_ship_the_q_a_draft_step_would(tmp_path, arch, on_device):
     """Same random draws (one seed) through both paths: the same drafts and bit for bit the same top-K and
     dense q, for greedy, truncated and untruncated rows in one batch."""
     for name in "sq":
@@ -96,7 +101,7 @@ def test_queued_sampled_drafts_ship_the_q_a_draft_step_would(tmp_path, arch):
     torch.manual_seed(2)
     want = stepped.proposer.propose(order, ks, temps, top_k)
     torch.manual_seed(2)
-    got = settled.queue(queued, ks, temps, top_k)
+    got = settled.queue(queued, ks, temps, top_k, on_device)
     assert got.token_ids.tolist() == want.token_ids.tolist()
     assert got.num_drafts.tolist() == want.num_drafts.tolist()
     assert got.probs.is_dense and want.probs.is_dense

@@ -567,16 +567,29 @@ def test_colocated_serial_drafting_on_the_loop_equals_target_only(world):
         v.close()
 
 
-def test_colocated_drafts_queued_behind_the_sampler_equal_target_only(world):
+def test_colocated_drafts_queued_behind_the_sampler_equal_target_only(world, monkeypatch):
     """Serial drafting whose drafts are queued on the device behind each sampler (here a CPU's, in order):
     target-only output with more requests than slots, so rounds mix queued rows with rows just admitted,
-    which get their first drafts through a DraftStep."""
+    which get their first drafts through a DraftStep. Rounds of the same rows feed the queued drafts to the
+    next verification as the drafter left them (QueuedDrafts.as_batch), the others split them per request:
+    both happen here."""
+    from specwire.verifier.drafter_link import QueuedDrafts
+
+    fed_whole, as_batch = [], QueuedDrafts.as_batch
+
+    def counted(self, *args):
+        out = as_batch(self, *args)
+        fed_whole.append(out is not None)
+        return out
+
+    monkeypatch.setattr(QueuedDrafts, "as_batch", counted)
     v = Verifier(world.loop, world.checkpoint, world.tokenizer, "colocated-inline", cache_branches=0,
                  queue_drafts=True, max_slots=3)
     try:
         greedy_equals_target_only(world, v, 8, seed=41)
         queued, drafted = v.counter(v.metrics.queued_drafts), v.counter(v.metrics.num_draft_tokens)
         assert queued > 0 and drafted > 0 and v.counter(v.metrics.cache["hit"]) == 0
+        assert any(fed_whole) and not all(fed_whole), fed_whole
     finally:
         v.close()
 

@@ -58,8 +58,11 @@ class AlignedResult:
 class BatchDrafts:
     """Drafts in the verifier's batch order, ready for rejection_sample."""
 
-    token_ids: list[list[int]]  # per batch row, possibly empty
+    token_ids: list[list[int]]  # per batch row, possibly empty; zeros where on_device holds the drafts
     probs: DraftProbs | None  # rows concatenated; None = every draft is one-hot (greedy)
+    # Greedy drafts left where a co-located drafter made them, every row's concatenated: fed to the
+    # verification as they are, never read by the host (token_ids then only say how many each row has).
+    on_device: torch.Tensor | None = None
 
     @property
     def num_drafts(self) -> list[int]:

@@ -16,7 +16,7 @@ import random
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 import torch
@@ -203,15 +203,16 @@ class LocalDrafterLink(_StepResults):
         return True
 
     def take_drafts(self, request_ids: list[str], wants: list[Want], counts: list[int]
-                    ) -> dict[str, Drafts] | None:
-        """The drafts queue_drafts queued, by request id, once the host has read how many tokens each request
-        settled. None when they are lost: these requests must be re-sent whole."""
+                    ) -> QueuedDrafts | None:
+        """The drafts queue_drafts queued, once the host has read how many tokens each request settled; their
+        ids stay on the drafter's device, not waited for. None when they are lost: these requests must be
+        re-sent whole."""
         try:
-            proposal = self._take(counts)
+            proposal = self._take(counts, on_device=True)
         except Exception as e:
             self._failed(e)
             return None
-        return _drafts_by_request(request_ids, wants, proposal)
+        return QueuedDrafts(request_ids, wants, proposal)
 
     def drop_drafts(self) -> None:
         """The verification the queued drafts follow lost its result: the drafter frees their requests
@@ -237,6 +238,31 @@ class LocalDrafterLink(_StepResults):
             self._failed(error)
         if not future.done():
             future.set_result(result)
+
+
+@dataclass
+class QueuedDrafts:
+    """Drafts queued behind a sampler, as the drafter left them: rows in queue order, ids on its device."""
+
+    request_ids: list[str]
+    wants: list[Want]
+    proposal: Proposal
+    dropped: set[str] = field(default_factory=set)  # requests the drafter has lost since
+
+    def as_batch(self, request_ids: list[str], room: list[int]) -> torch.Tensor | None:
+        """Every row's draft ids, concatenated on the drafter's device, when they serve a verification of
+        `request_ids` as they are: the same requests in the same order, greedy (no q to ship), none longer
+        than its room. Else None (per_request then splits them on the host)."""
+        if self.dropped or self.proposal.probs is not None or request_ids != self.request_ids:
+            return None
+        if any(k > n for k, n in zip(self.proposal.num_drafts.tolist(), room, strict=True)):
+            return None
+        return self.proposal.token_ids
+
+    def per_request(self) -> dict[str, Drafts]:
+        """The drafts by request id, on the host (this waits for them)."""
+        drafts = _drafts_by_request(self.request_ids, self.wants, self.proposal)
+        return {rid: d for rid, d in drafts.items() if rid not in self.dropped}
 
 
 def _drafts_by_request(request_ids: list[str], wants: list[Want], proposal: Proposal) -> dict[str, Drafts]:

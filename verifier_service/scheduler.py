@@ -52,7 +52,7 @@ from specwire.verifier.alignment import (
     read_result,
     read_tables,
 )
-from specwire.verifier.drafter_link import DrafterLink, HandshakeRefused
+from specwire.verifier.drafter_link import DrafterLink, HandshakeRefused, QueuedDrafts
 from specwire.verifier.drafting_mode import DraftingMode
 from specwire.verifier.feature_store import FeatureStore
 
@@ -257,7 +257,7 @@ class Scheduler:
         self.draining = False
         self._frees: list[str] = []  # requests the drafter knows that left the batch
         self._in_flight: tuple[asyncio.Future, dict[str, Want]] | None = None  # serial mode's sent step
-        self._queued_drafts: dict[str, Drafts] = {}  # serial mode's drafts queued behind the last sampler
+        self._queued_drafts: QueuedDrafts | None = None  # serial mode's, queued behind the last sampler
         self._queueing = link is not None and link.queues_drafts and (
             config.queue_drafts if config.queue_drafts is not None else link.feature_device.type == "cuda")
         self._verify_seconds = 0.0  # wall time of the last verification, launch to tokens
@@ -721,10 +721,18 @@ class Scheduler:
         """A serial round's drafts: those of the step answered (None: none, as after a timeout or a broken
         stream, which the link counts) and those queued behind the last sampler, cut to each one's room."""
         drafts = {} if result is None else self._read_drafts(result, wants)
-        queued, self._queued_drafts = self._queued_drafts, {}
-        for r in live:
-            if (d := queued.get(r.id)) is not None:
-                drafts[r.id] = _cut(d, self._num_drafts(r))
+        queued, self._queued_drafts = self._queued_drafts, None
+        if queued is None:
+            return batch_drafts([r.id for r in live], drafts, self.vocab_size)
+        room = [self._num_drafts(r) for r in live]
+        if not drafts and (on_device := queued.as_batch([r.id for r in live], room)) is not None:
+            # As the drafter left them: the verification is launched without waiting for them.
+            return BatchDrafts([[0] * k for k in queued.proposal.num_drafts.tolist()], None,
+                               on_device.to(self.engine.device, non_blocking=True))
+        split = queued.per_request()
+        for r, n in zip(live, room, strict=True):
+            if (d := split.get(r.id)) is not None:
+                drafts[r.id] = _cut(d, n)
         return batch_drafts([r.id for r in live], drafts, self.vocab_size)
 
     def _take_queued_drafts(self, live: list[Request], step: _Step) -> set[str]:
@@ -734,12 +742,12 @@ class Scheduler:
         if not step.queued:
             return set()
         ids = [live[i].id for i in step.queued]
-        drafts = self.link.take_drafts(ids, step.wants, [len(step.tokens[i]) for i in step.queued])
-        if drafts is None:
+        queued = self.link.take_drafts(ids, step.wants, [len(step.tokens[i]) for i in step.queued])
+        if queued is None:
             for i in step.queued:
                 self._resend_whole(live[i])
             return set()
-        self._queued_drafts = drafts
+        self._queued_drafts = queued
         return set(ids)
 
     def _queueable(self, live: list[Request], batch: BatchDrafts) -> list[int]:
@@ -778,7 +786,8 @@ class Scheduler:
             if (r := self.requests.get(rid)) is not None:
                 r.drafter_len = 0
                 r.next_drafts = r.next_branch = None
-                self._queued_drafts.pop(rid, None)
+                if self._queued_drafts is not None:
+                    self._queued_drafts.dropped.add(rid)
 
     def _emit(self, r: Request, new_tokens: list[int]) -> None:
         """Appends tokens up to the first that finishes the request, and streams them."""
@@ -885,7 +894,7 @@ class Scheduler:
         starts = [len(r.tokens) - 1 for r in live]
         if any(batch.num_drafts):
             rows = [[r.tokens[-1], *d] for r, d in zip(live, batch.token_ids, strict=True)]
-            out = self.engine.verify(slots, rows, starts)
+            out = self.engine.verify(slots, rows, starts, batch.on_device)
             width = max(len(row) for row in rows)
         else:
             out = self.engine.decode(slots, [r.tokens[-1] for r in live], starts)
@@ -950,7 +959,8 @@ class Scheduler:
 
         return rejection_sample(  # draft ids and q go over on the host: the sampler moves them to the logits
             logits,
-            column([t for d in batch.token_ids for t in d], np.int64),
+            column([t for d in batch.token_ids for t in d], np.int64) if batch.on_device is None
+            else batch.on_device,
             column(batch.num_drafts, np.int32),
             batch.probs,
             column([r.params.temperature for r in requests], np.float32),
@@ -1013,7 +1023,7 @@ class Scheduler:
             r.next_drafts = r.next_branch = None
         self._frees.clear()
         self._in_flight = None
-        self._queued_drafts = {}
+        self._queued_drafts = None
         self._wake.set()
 
     def _drafter_room(self) -> int:
