@@ -449,9 +449,10 @@ class TargetEngine:
     ) -> StepOutput:
         """Row b feeds token_lists[b] = [last token, d_1..d_k] at start_positions[b]...; returns logits,
         hidden and aux for every fed token, rows concatenated: [sum(1 + k_b), ...]. device_drafts: every
-        row's drafts concatenated [sum k_b], on this device, in place of token_lists[b][1:] (which then only
-        give each row's length): drafts made on the device are fed without a wait for the host. They are the
-        verifier's own drafter's, not checked against the vocabulary."""
+        row's drafts concatenated [sum k_b], on a device (this one or a drafter's), in place of
+        token_lists[b][1:] (which then only give each row's length): drafts made on the device are fed
+        without a wait for the host. They are the verifier's own drafter's, not checked against the
+        vocabulary."""
         counts = [len(t) for t in token_lists]
         if not counts or min(counts) < 1:
             raise ValueError("verify needs at least one token per row")
@@ -463,16 +464,17 @@ class TargetEngine:
         else:
             self.check_token_ids([tokens[0] for tokens in token_lists])
             draft_cells = [(b, j) for b, n in enumerate(counts) for j in range(1, n)]
-            if device_drafts.shape != (len(draft_cells),) or device_drafts.device != self.device:
-                raise ValueError(f"device_drafts must be [{len(draft_cells)}] on {self.device}, got "
-                                 f"{list(device_drafts.shape)} on {device_drafts.device}")
+            if device_drafts.shape != (len(draft_cells),):
+                raise ValueError(f"device_drafts must be [{len(draft_cells)}], got "
+                                 f"{list(device_drafts.shape)}")
         ids = torch.tensor([[*tokens, *[0] * (width - len(tokens))] for tokens in token_lists])
         out = self._step(
             self._step_input(slots, torch.int32),
             ids,
             torch.tensor(counts, dtype=torch.int32),
             self._step_input(start_positions, torch.int32),
-            None if draft_cells is None else (draft_cells, device_drafts.to(torch.int64)),
+            None if draft_cells is None
+            else (draft_cells, device_drafts.to(self.device, torch.int64, non_blocking=True)),
         )
         # Graph outputs have the captured grid's row stride; eager ones the batch's own. When every row is
         # full the fed tokens lead the grid, and a slice (cloned: graph buffers are reused) picks them.

@@ -134,12 +134,13 @@ class Drafter:
         await self.server.drain(0)
 
 
-def colocated(checkpoint, tokenizer, metrics: VerifierMetrics, inline: bool = False) -> LocalDrafterLink:
+def colocated(checkpoint, tokenizer, metrics: VerifierMetrics, inline: bool = False, device: str = "cpu"
+              ) -> LocalDrafterLink:
     """The world's drafter (the bigram head), but in the verifier's process behind the in-process link
-    (inline: serial steps on the loop, as on a GPU)."""
+    (inline: serial steps on the loop, as on a GPU), on the verifier's device."""
     config, sd = checkpoint
-    proposer = EagleProposer(bigram_head(config, sd), max_requests=48, max_context=MAX_CONTEXT, max_drafts=K,
-                             max_top_k=16, max_branches=BRANCHES)
+    proposer = EagleProposer(bigram_head(config, sd, device), max_requests=48, max_context=MAX_CONTEXT,
+                             max_drafts=K, max_top_k=16, max_branches=BRANCHES)
     service = DrafterService(DrafterMetrics())
     service.load(proposer, config, tokenizer.fingerprint, "eagle1:bigram")
     owned = set()
@@ -170,8 +171,8 @@ class Verifier:
                                       drafting_epoch=drafting_epoch, queue_drafts=queue_drafts),
             model_name="tiny",
         )
-        link = (colocated(checkpoint, tokenizer, self.metrics, inline=drafter_port == "colocated-inline")
-                if str(drafter_port).startswith("colocated") else None)
+        link = (colocated(checkpoint, tokenizer, self.metrics, inline=drafter_port == "colocated-inline",
+                          device=device) if str(drafter_port).startswith("colocated") else None)
         self.port = loop.run(self._start(settings, tokenizer, link))
         self.channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
         self.stub = generation_pb2_grpc.GenerationStub(self.channel)
@@ -567,8 +568,11 @@ def test_colocated_serial_drafting_on_the_loop_equals_target_only(world):
         v.close()
 
 
-def test_colocated_drafts_queued_behind_the_sampler_equal_target_only(world, monkeypatch):
-    """Serial drafting whose drafts are queued on the device behind each sampler (here a CPU's, in order):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA")])])
+def test_colocated_drafts_queued_behind_the_sampler_equal_target_only(world, monkeypatch, device):
+    """Serial drafting whose drafts are queued on the device behind each sampler (a CPU's, in order, or a
+    GPU's, under CUDA graphs and the Triton sampler):
     target-only output with more requests than slots, so rounds mix queued rows with rows just admitted,
     which get their first drafts through a DraftStep. Rounds of the same rows feed the queued drafts to the
     next verification as the drafter left them (QueuedDrafts.as_batch), the others split them per request:
@@ -584,9 +588,9 @@ def test_colocated_drafts_queued_behind_the_sampler_equal_target_only(world, mon
 
     monkeypatch.setattr(QueuedDrafts, "as_batch", counted)
     v = Verifier(world.loop, world.checkpoint, world.tokenizer, "colocated-inline", cache_branches=0,
-                 queue_drafts=True, max_slots=3)
+                 queue_drafts=True, max_slots=3, device=device)
     try:
-        greedy_equals_target_only(world, v, 8, seed=41)
+        greedy_equals_target_only(world, v, 8, seed=41, device=device)
         queued, drafted = v.counter(v.metrics.queued_drafts), v.counter(v.metrics.num_draft_tokens)
         assert queued > 0 and drafted > 0 and v.counter(v.metrics.cache["hit"]) == 0
         assert any(fed_whole) and not all(fed_whole), fed_whole
@@ -627,10 +631,10 @@ def verifier_of_the_world_drafter(world, **settings):
         v.close()
 
 
-def greedy_equals_target_only(world, v: Verifier, n: int, seed: int) -> list:
+def greedy_equals_target_only(world, v: Verifier, n: int, seed: int, device: str = "cpu") -> list:
     batch = prompts(n, seed=seed)
     results = generate_all(v, batch, max_tokens=20)
-    assert [r[0] for r in results] == greedy_reference(world.checkpoint, batch, 20)
+    assert [r[0] for r in results] == greedy_reference(world.checkpoint, batch, 20, device)
     return results
 
 
