@@ -736,9 +736,9 @@ class Scheduler:
         return batch_drafts([r.id for r in live], drafts, self.vocab_size)
 
     def _take_queued_drafts(self, live: list[Request], step: _Step) -> set[str]:
-        """The drafts queued behind this round's sampler (the settling above ran while they were drafted),
-        kept for the next round; returns the ids of the requests they are for. If they are lost, those
-        requests are sent whole next step."""
+        """The drafts queued behind this round's sampler, kept for the next round where the drafter left
+        them (not waited for: the next verification is queued behind them); returns the ids of the requests
+        they are for. If they are lost, those requests are sent whole next step."""
         if not step.queued:
             return set()
         ids = [live[i].id for i in step.queued]
