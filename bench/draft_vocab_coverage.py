@@ -18,8 +18,8 @@ import json
 
 import torch
 from acceptance_bounds import held_out_answers, held_out_engine, provenance
-from safetensors.torch import load_file
 from specwire.drafter.draft_vocab import t2d_mask
+from specwire.drafter.eagle_head import load_eagle_head, shared_target_weights
 from specwire.drafter.self_distill import record_features
 from specwire.drafter.train_eagle import DEFAULT_OUT
 
@@ -63,8 +63,9 @@ def reach(inside: torch.Tensor, probs: torch.Tensor, tokens: torch.Tensor) -> di
 def main() -> None:
     a = parse_args()
     engine = held_out_engine(a.model, a.device)
-    d2t = load_file(f"{a.head}/model.safetensors")["d2t"].long()
-    base = t2d_mask(torch.arange(d2t.numel()) + d2t, engine.config.vocab_size)
+    head = load_eagle_head(a.head, engine.config, shared_target_weights(engine.model), torch.float32,
+                           engine.device, 1024)
+    base = t2d_mask(head.draft_to_target.cpu(), engine.config.vocab_size)
     sizes = [int(n) for n in a.sizes.split(",")]
     result = {**provenance(engine, a.head), "by_temperature": {}}
     for temperature in (0.0, 1.0):
