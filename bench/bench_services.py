@@ -28,7 +28,10 @@ ideal speedup `ideal_speedup` = tau * t_target / t_verify, measured as (decode t
 step time) / (decode tokens per second of target-only step time): tau is the mean acceptance length, and the
 two step times are the verifiers' own specwire_verify_step_seconds (engine thread: forward, sampling,
 readback; prefill excluded, so decode tokens = tokens - one per request). It is what the round would give if
-nothing but verification were on its critical path.
+nothing but verification were on its critical path. On CUDA `ideal_speedup_gpu` takes the verifications'
+device time instead (specwire_verify_gpu_seconds, CUDA events around the forward and the sampler): the
+engine-thread time of a verification launched before the drafts it is queued behind are drafted (co-located,
+drafts fed from the device) holds the device's wait for them, which the device time leaves out.
 
 Setups run in priority order until --budget-seconds have passed; the rest are listed as skipped. Results are
 written after every configuration, so a run cut short keeps what it measured.
@@ -273,7 +276,8 @@ def measure(client: Client, port: int, metric_ports: dict[str, int | None], gpus
                                  "verifier", "specwire_stream_outputs_joined_total"),
                              "_chunks": [{"sent": t.sent_at - start, "arrivals": t.arrivals,
                                           "tokens": t.chunk_tokens} for t in timings],
-                             "_step_seconds": delta.get("verifier", "specwire_verify_step_seconds_sum")})
+                             "_step_seconds": delta.get("verifier", "specwire_verify_step_seconds_sum"),
+                             "_gpu_seconds": delta.get("verifier", "specwire_verify_gpu_seconds_sum")})
     return rows
 
 
@@ -302,12 +306,13 @@ def compare(row: dict, base: dict | None, real_model: bool) -> dict:
     steps, base_steps = row["round_ms"]["steps"], base["round_ms"]["steps"]
     if (per_verification := tokens_per_verification(row)) is not None:
         out["tokens_per_verification"] = per_verification
-    if row.get("_step_seconds") and base.get("_step_seconds") and steps and base_steps:
-        decode, base_decode = row["tokens"] - row["requests"], base["tokens"] - base["requests"]
-        ideal = (decode / row["_step_seconds"]) / (base_decode / base["_step_seconds"])
-        out |= {"ideal_speedup": ideal, "speedup_over_ideal": out["speedup"] / ideal,
-                "t_verify_ms": 1e3 * row["_step_seconds"] / steps,
-                "t_target_ms": 1e3 * base["_step_seconds"] / base_steps}
+    decode, base_decode = row["tokens"] - row["requests"], base["tokens"] - base["requests"]
+    for seconds, suffix in (("_step_seconds", ""), ("_gpu_seconds", "_gpu")):
+        if row.get(seconds) and base.get(seconds) and steps and base_steps:
+            ideal = (decode / row[seconds]) / (base_decode / base[seconds])
+            out |= {f"ideal_speedup{suffix}": ideal, f"speedup_over_ideal{suffix}": out["speedup"] / ideal,
+                    f"t_verify{suffix}_ms": 1e3 * row[seconds] / steps,
+                    f"t_target{suffix}_ms": 1e3 * base[seconds] / base_steps}
     return out
 
 

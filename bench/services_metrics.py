@@ -53,18 +53,20 @@ class Delta:
 
 def round_split(delta: Delta, wall: float) -> dict[str, float | None]:
     """Per verification step, in ms: wall (measurement wall time / steps), verify (the verifier's engine
-    thread), drafter_round_trip (the RPC as the verifier timed it), draft (the drafter's compute),
-    transport (round trip - draft: the gRPC hop and both services' Python around it) and host (wall - verify
-    - the round trips' time per verification, which is less than one round trip where rounds send no step,
-    as with drafts queued behind the sampler: the verifier's event loop and what the overlap did not hide;
-    negative when drafting overlapped verification) and not_verify (wall - verify: everything on the
-    critical path but the verification itself, whatever overlapped)."""
+    thread), verify_gpu (its device time, from CUDA events; None on a CPU), drafter_round_trip (the RPC as
+    the verifier timed it), draft (the drafter's compute), transport (round trip - draft: the gRPC hop and
+    both services' Python around it) and host (wall - verify - the round trips' time per verification, which
+    is less than one round trip where rounds send no step, as with drafts queued behind the sampler: the
+    verifier's event loop and what the overlap did not hide; negative when drafting overlapped verification)
+    and not_verify (wall - verify: everything on the critical path but the verification itself, whatever
+    overlapped)."""
     steps = delta.get("verifier", "specwire_verify_step_seconds_count")
     verify = delta.mean_ms("verifier", "specwire_verify_step_seconds")
     trip = delta.mean_ms("verifier", "specwire_drafter_rpc_latency_seconds")
     trips = delta.get("verifier", "specwire_drafter_rpc_latency_seconds_sum")
     draft = delta.mean_ms("drafter", "specwire_drafter_step_seconds")
     out = {"steps": steps, "wall": 1e3 * wall / steps if steps else None, "verify": verify,
+           "verify_gpu": delta.mean_ms("verifier", "specwire_verify_gpu_seconds"),
            "drafter_round_trip": trip, "draft": draft,
            "transport": trip - draft if trip is not None and draft is not None else None}
     trips_per_step = 1e3 * trips / steps if trips is not None and steps else None

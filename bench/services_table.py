@@ -3,10 +3,10 @@
     python bench/services_table.py bench/results/services_h200x2.json [--temperature T] [--setups A,B]
 
 One row per point: setup, k, forced length, batch, load (a static batch or sustained concurrency), tokens/s,
-speedup over target-only and its ideal (tau * t_target / t_verify), mean acceptance length (rounds with
-drafts), tokens per verification (all rounds), TTFT p50, inter-chunk latency p50 / p99, a verification
-step's split (verify / draft / transport / host, ms), the prefill steps (how many, ms each), GPU busy shares
-and drafter-link bytes per step.
+speedup over target-only and its ideal (tau * t_target / t_verify, from the engine thread's verification
+time and from its device time), mean acceptance length (rounds with drafts), tokens per verification (all
+rounds), TTFT p50, inter-chunk latency p50 / p99, a verification step's split (verify / draft / transport /
+host, ms), the prefill steps (how many, ms each), GPU busy shares and drafter-link bytes per step.
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ def row(r: dict) -> list[str]:
         str(r["forced_hit_rate"]) if r.get("forced_hit_rate") is not None else "—", fmt(r["batch"], "d"),
         r.get("load", "batch"),
         fmt(r["tokens_per_s"], ",.0f"), fmt(r.get("speedup"), ".2f", "x"),
-        fmt(r.get("ideal_speedup"), ".2f", "x"), fmt(r.get("mean_acceptance_length"), ".2f"),
+        f"{fmt(r.get('ideal_speedup'), '.2f', 'x')} / {fmt(r.get('ideal_speedup_gpu'), '.2f', 'x')}",
+        fmt(r.get("mean_acceptance_length"), ".2f"),
         fmt(tokens_per_verification(r), ".2f"),
         fmt((r.get("ttft_ms") or {}).get("p50"), ".1f"),
         f"{fmt(itl.get('p50'), '.2f')} / {fmt(itl.get('p99'), '.2f')}",
@@ -53,7 +54,8 @@ def tokens_per_verification(r: dict) -> float | None:
     return (r["tokens"] - r["requests"]) / (steps * r["batch"]) if steps else None
 
 
-HEADER = ["setup", "k", "L", "hit", "batch", "load", "tok/s", "speedup", "ideal", "tau", "tok/verif.",
+HEADER = ["setup", "k", "L", "hit", "batch", "load", "tok/s", "speedup", "ideal: thread / gpu", "tau",
+          "tok/verif.",
           "TTFT p50 ms", "ITL p50 / p99 ms", "step: verify / draft / transport / host ms",
           "prefill steps x ms", "GPU busy",
           "bytes/step sent / recv"]

@@ -168,6 +168,12 @@ class VerifierMetrics(_ServiceMetrics):
             "verify_step_seconds", "Engine-thread time of one verification (forward, sampling, readback).",
             STEP_BUCKETS,
         )
+        self.verify_gpu_time = h(
+            "verify_gpu_seconds",
+            "Device time of one verification's forward and sampler, from CUDA events (CUDA only): unlike "
+            "verify_step_seconds, without the host's launch work or the device's wait for queued drafts.",
+            STEP_BUCKETS,
+        )
         self.prefill_step_time = h(
             "prefill_step_seconds",
             "Engine-thread time of one prefill step (forward, sampling, the features' hand-off); its count "

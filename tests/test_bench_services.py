@@ -36,6 +36,7 @@ def test_round_split_cache_and_bytes_from_two_scrapes():
                            f"{TRIP}_sum": 0.01},
               "drafter": {f"{draft}_count": 0, f"{draft}_sum": 0.0}}
     after = {"verifier": {f"{VERIFY}_count": 110, f"{VERIFY}_sum": 0.21, f"{TRIP}_count": 110,
+                          "specwire_verify_gpu_seconds_count": 100, "specwire_verify_gpu_seconds_sum": 0.16,
                           f"{TRIP}_sum": 0.16, 'specwire_drafter_rpc_bytes_total{direction="sent"}': 5000.0,
                           'specwire_spec_cache_lookups_total{result="hit"}': 75.0,
                           'specwire_spec_cache_lookups_total{result="miss"}': 25.0,
@@ -43,7 +44,8 @@ def test_round_split_cache_and_bytes_from_two_scrapes():
              "drafter": {f"{draft}_count": 100, f"{draft}_sum": 0.05}}
     delta = Delta(before, after)
     split = round_split(delta, wall=0.5)  # 100 steps in 0.5 s
-    assert split == pytest.approx({"steps": 100, "wall": 5.0, "verify": 2.0, "drafter_round_trip": 1.5,
+    assert split == pytest.approx({"steps": 100, "wall": 5.0, "verify": 2.0, "verify_gpu": 1.6,
+                                   "drafter_round_trip": 1.5,
                                    "draft": 0.5, "transport": 1.0, "host": 1.5, "not_verify": 3.0})
     # Drafts queued behind the sampler: only the 10 steps of new requests went to the drafter (2 ms each), so
     # the round trips take 0.2 ms a verification, not 2 ms
@@ -77,6 +79,29 @@ def test_greedy_outputs_are_compared_and_each_mismatch_located():
     assert parted["output_equal_rate"] == 0.5
     mismatch = {"request": 1, "position": 1, "got": [9, 8], "target_only": [7, 8]}
     assert parted["output_mismatches"] == [mismatch]
+
+
+def test_the_ideal_speedup_from_engine_thread_and_from_device_time():
+    """tau * t_target / t_verify as decode tokens per second of verification, against target-only's: from
+    the engine thread's time, and (CUDA) from the device's."""
+    from bench_services import compare
+
+    def row(setup: str, tokens_per_s: float, tokens: int, steps: int, thread: float, gpu: float | None
+            ) -> dict:
+        return {"setup": setup, "temperature": 1.0, "batch": 4, "tokens_per_s": tokens_per_s,
+                "tokens": tokens, "requests": 4, "round_ms": {"steps": steps}, "_step_seconds": thread,
+                "_gpu_seconds": gpu}
+
+    base = row("target_only", 100.0, 404, 100, thread=0.5, gpu=0.4)  # 5 ms a step, 4 ms on the device
+    # 3 decode tokens a row a verification (100 of them); the thread's 8 ms hold a 2 ms wait for drafts
+    spec = compare(row("colocated", 250.0, 1204, 100, thread=0.8, gpu=0.6), base, real_model=False)
+    assert spec["speedup"] == pytest.approx(2.5)
+    assert spec["ideal_speedup"] == pytest.approx(3 * 5 / 8) and spec["t_verify_ms"] == pytest.approx(8.0)
+    assert spec["ideal_speedup_gpu"] == pytest.approx(3 * 4 / 6) and spec["t_target_gpu_ms"] == 4.0
+    assert spec["speedup_over_ideal_gpu"] == pytest.approx(2.5 / 2)
+    on_cpu = compare(row("colocated", 250.0, 1204, 100, thread=0.8, gpu=None), base | {"_gpu_seconds": None},
+                     real_model=False)
+    assert "ideal_speedup" in on_cpu and "ideal_speedup_gpu" not in on_cpu
 
 
 def test_the_harness_runs_the_setups_side_by_side_on_the_cpu(tmp_path):

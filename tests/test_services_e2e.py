@@ -594,6 +594,15 @@ def test_colocated_drafts_queued_behind_the_sampler_equal_target_only(world, mon
         queued, drafted = v.counter(v.metrics.queued_drafts), v.counter(v.metrics.num_draft_tokens)
         assert queued > 0 and drafted > 0 and v.counter(v.metrics.cache["hit"]) == 0
         assert any(fed_whole) and not all(fed_whole), fed_whole
+        # On CUDA each verification's device time is timed too, within its engine-thread time (the span
+        # starts once the drafts it is queued behind are done); a CPU times none.
+        sample = v.metrics.registry.get_sample_value
+        steps, gpu_steps = (sample(f"specwire_verify_{m}_seconds_count") for m in ("step", "gpu"))
+        if device == "cuda":
+            assert gpu_steps == steps > 0
+            assert 0 < sample("specwire_verify_gpu_seconds_sum") < sample("specwire_verify_step_seconds_sum")
+        else:
+            assert gpu_steps == 0 and steps > 0
     finally:
         v.close()
 

@@ -59,6 +59,7 @@ from specwire.verifier.feature_store import FeatureStore
 from specwire import round_trace
 from specwire.engine import TargetEngine
 from specwire.forced_acceptance import rates_tensor
+from specwire.gpu_span import GpuSpan
 from specwire.metrics import VerifierMetrics
 from specwire.sampling_params import SamplingParams
 from specwire.staging import Readback, read_back
@@ -282,6 +283,8 @@ class Scheduler:
         self._store: FeatureStore | None = None  # instead, for a drafter that takes tensors (co-located)
         # Recorded after each verification the loop launches on CUDA: the loop polls it (see _verify).
         self._verified = torch.cuda.Event() if self.engine.device.type == "cuda" else None
+        # The device time of each verification, its forward and sampler (specwire_verify_gpu_seconds).
+        self._verify_span = GpuSpan(self.engine.device)
         # News for the scheduler (a request came or was aborted, the drafter connected, closing): wakes the
         # idle loop, and ends the worker's run of target-only rounds. Cleared at each turn of the loop.
         self._wake = asyncio.Event()
@@ -890,6 +893,9 @@ class Scheduler:
         the next drafts of rows `queue` after that."""
         started = time.perf_counter()
         round_trace.mark("v.verify", len(live))
+        # Queued behind whatever this verification waits for on the stream (drafts queued behind the last
+        # sampler, their copy from the drafter's GPU): the span is the verification's own device time.
+        self._verify_span.begin()
         slots = [r.slot for r in live]
         starts = [len(r.tokens) - 1 for r in live]
         if any(batch.num_drafts):
@@ -913,6 +919,7 @@ class Scheduler:
             self._readback.start(self._feature_table(out.hidden, out.aux_hidden))
         round_trace.mark("v.forward_queued")
         sampled = self._sample(out.logits, live, batch)
+        self._verify_span.end()
         round_trace.mark("v.sampler_queued")
         queue, wants = list(queue), [self._want_for(live[i], self._num_drafts(live[i])) for i in queue]
         T = self.link.info.max_num_drafts + 1 if queue else 0
@@ -949,6 +956,8 @@ class Scheduler:
                 features.append(rows[first:first + len(settled)])
                 first += drafted + 1
         self.metrics.verify_step_time.observe(time.perf_counter() - launch.started)
+        if (gpu_seconds := self._verify_span.seconds()) is not None:  # done: the tokens came after it
+            self.metrics.verify_gpu_time.observe(gpu_seconds)
         self._profiler.step()
         round_trace.mark("v.verify_end")
         return _Step(tokens, features, dtype, launch.queued, launch.wants)
