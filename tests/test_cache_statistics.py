@@ -9,19 +9,24 @@ from rounds after a table lookup; their conditional distributions are checked ag
 softmax by a chi-square test (tail about 1e-6). The test has teeth: with the drafter shipping q^3
 (renormalised) instead of the q its drafts were drawn from, the statistics were 1736 and 2686 against
 critical values of 42 and 30 (measured 2026-11-23 with a patched drafter).
+
+The same check runs with serial drafting queued on the device behind each sampler, where a round of the same
+rows takes the drafter's proposal whole, q included, as the drafter left it (300 of ~760 rounds here): with
+that q cubed (renormalised) in those rounds only, position 3 failed (2026-11-26).
 """
 
 import asyncio
 import functools
 from collections import Counter
 
+import pytest
 import torch
-from specwire.drafter.eagle_head import EagleHead, EagleHeadConfig
 from specwire.drafter.proposer import EagleProposer
 from specwire.drafter.server import DrafterService
-from specwire.verifier.drafter_link import LocalDrafterLink
+from specwire.verifier.drafter_link import LocalDrafterLink, QueuedDrafts
 from specwire.verifier.scheduler import Scheduler, SchedulerConfig
 from test_rejection_sampler import _fits
+from test_services_e2e import bigram_head
 
 from specwire.config import ModelConfig
 from specwire.default_model import default_model_path
@@ -31,7 +36,7 @@ from specwire.sampling_params import SamplingParams
 from specwire.tokenizer import load_tokenizer
 from specwire.weights import checkpoint_shapes
 
-VOCAB, H, K, BRANCHES, REQUESTS = 48, 32, 3, 2, 2400
+VOCAB, H, K, BRANCHES, REQUESTS, WAVE = 48, 32, 3, 2, 2400, 16
 PROMPT = [5, 17, 9, 30]
 
 
@@ -53,34 +58,28 @@ def small_target() -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     return config, sd
 
 
-def bigram_head(config: ModelConfig, sd: dict[str, torch.Tensor]) -> EagleHead:
-    """EAGLE-1 head whose output is embed(token): it drafts from lm_head(embed(token))."""
-    layer = ModelConfig(**{**config.__dict__, "num_layers": 1})
-    config = EagleHeadConfig(arch="eagle1", layer=layer, target_hidden_size=H, target_vocab_size=VOCAB)
-    head = EagleHead(config, sd, torch.float32, "cpu", max_positions=64)
-    head.init_weights(0)
-    with torch.no_grad():
-        head.fc.weight.zero_()
-        head.fc.weight[:, :H] = torch.eye(H)
-        head.layer.self_attn.o_proj.weight.zero_()
-        head.layer.mlp.down_proj.weight.zero_()
-    return head
-
-
-async def sample_many(engine: TargetEngine, link: LocalDrafterLink, metrics: VerifierMetrics
+async def sample_many(engine: TargetEngine, link: LocalDrafterLink, metrics: VerifierMetrics, queued: bool
                       ) -> list[list[int]]:
+    """queued: serial drafting, each round's drafts queued behind the last sampler, the requests sent in
+    waves of WAVE (a round can take the queued drafts whole only when its rows are the last round's); else
+    tables, every request at once."""
     scheduler = Scheduler(engine, load_tokenizer(default_model_path()), metrics,
                           SchedulerConfig(num_speculative_tokens=K, max_waiting=REQUESTS, draft_top_k=6,
-                                          cache_branches=BRANCHES, table_wait=5.0,
-                                          just_in_time_wait=5.0), link)
+                                          cache_branches=0 if queued else BRANCHES, table_wait=5.0,
+                                          just_in_time_wait=5.0, queue_drafts=queued), link)
     scheduler.start()
-    params = SamplingParams(temperature=1.0, max_tokens=6, ignore_eos=True)
+    # Queued drafts are fed whole only to rows with room for them: longer requests, so that most have.
+    params = SamplingParams(temperature=1.0, max_tokens=16 if queued else 6, ignore_eos=True)
+    wave = WAVE if queued else REQUESTS
+    outputs = []
     try:
-        requests = [scheduler.submit(PROMPT, params, request_id=str(i)) for i in range(REQUESTS)]
-        for r in requests:
-            while (await r.outputs.get()).finish_reason is None:
-                pass
-        return [r.tokens[len(PROMPT):] for r in requests]
+        for first in range(0, REQUESTS, wave):
+            requests = [scheduler.submit(PROMPT, params, str(i)) for i in range(first, first + wave)]
+            for r in requests:
+                while (await r.outputs.get()).finish_reason is None:
+                    pass
+            outputs += [r.tokens[len(PROMPT):] for r in requests]
+        return outputs
     finally:
         await scheduler.close()
 
@@ -88,28 +87,53 @@ async def sample_many(engine: TargetEngine, link: LocalDrafterLink, metrics: Ver
 def target_probs(engine: TargetEngine, context: list[int]) -> torch.Tensor:
     slot = engine.allocate_slot()
     try:
-        return torch.softmax(engine.prefill([(slot, context)]).logits[0].double(), -1)
+        return torch.softmax(engine.prefill([(slot, context)]).logits[0].double(), -1).cpu()
     finally:
         engine.free_slot(slot)
 
 
-def test_sampled_tokens_after_table_lookups_follow_the_target():
+ON_CUDA = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+@pytest.mark.parametrize(("queued", "device"), [(False, "cpu"), (True, "cpu"),
+                                                 pytest.param(True, "cuda", marks=ON_CUDA)],
+                         ids=["tables", "queued_on_device", "queued_on_cuda"])
+def test_sampled_tokens_after_table_lookups_follow_the_target(monkeypatch, queued, device):
+    """Tables: hits and misses both. Queued on the device: many rounds feed the drafter's proposal whole,
+    its top-K q where the drafter left it (QueuedDrafts.as_batch), the others split it per request; on CUDA
+    under CUDA graphs and the Triton sampler."""
+    fed_whole, as_batch = [], QueuedDrafts.as_batch
+
+    def counted(self, *args):
+        out = as_batch(self, *args)
+        fed_whole.append(out is not None and out.probs is not None)
+        return out
+
+    monkeypatch.setattr(QueuedDrafts, "as_batch", counted)
     config, sd = small_target()
-    engine = TargetEngine(checkpoint=(config, sd), device="cpu", dtype=torch.float32, max_slots=32,
+    engine = TargetEngine(checkpoint=(config, sd), device=device, dtype=torch.float32, max_slots=32,
                           max_context=64, max_verify_tokens=K + 1)
-    proposer = EagleProposer(bigram_head(config, sd), max_requests=32, max_context=64, max_drafts=K,
-                             max_top_k=8, max_branches=BRANCHES)
+    head = bigram_head(config, sd, device, max_positions=64)
+    proposer = EagleProposer(head, max_requests=32, max_context=64, max_drafts=K, max_top_k=8,
+                             max_branches=BRANCHES)
     service = DrafterService(DrafterMetrics())
     tokenizer = load_tokenizer(default_model_path())
     service.load(proposer, config, tokenizer.fingerprint, "eagle1:bigram")
     metrics = VerifierMetrics()
-    link = LocalDrafterLink(functools.partial(service.run_step, 0, set()), service.info, service.mismatch,
-                            metrics, proposer.device, step_timeout=5.0)
-    outputs = asyncio.run(sample_many(engine, link, metrics))
+    owned: set[str] = set()
+    link = LocalDrafterLink(functools.partial(service.run_step, 0, owned), service.info, service.mismatch,
+                            metrics, proposer.device, step_timeout=5.0, inline=device == "cuda",
+                            queue=functools.partial(service.queue_drafts, 0),
+                            take=functools.partial(service.take_drafts, owned))
+    outputs = asyncio.run(sample_many(engine, link, metrics, queued))
 
-    hits, misses = (metrics.cache[r]._value.get() for r in ("hit", "miss"))
-    assert hits > 1000 and misses > 100, (hits, misses)
-    assert metrics.just_in_time["drafted"]._value.get() > 100
+    if queued:
+        assert metrics.queued_drafts._value.get() > 1000
+        assert sum(fed_whole) > 200 and not all(fed_whole), (sum(fed_whole), len(fed_whole))
+    else:
+        hits, misses = (metrics.cache[r]._value.get() for r in ("hit", "miss"))
+        assert hits > 1000 and misses > 100, (hits, misses)
+        assert metrics.just_in_time["drafted"]._value.get() > 100
     assert metrics.num_draft_tokens._value.get() > metrics.num_accepted_tokens._value.get() > 0
     for position in (2, 3, 4, 5):  # tokens from rounds that followed a lookup
         prefixes = Counter(tuple(o[:position]) for o in outputs)

@@ -165,3 +165,47 @@ def test_queued_drafts_reach_the_verifier_as_a_draft_result_would(tmp_path, top_
             assert (a is None) == (b is None), (rid, name)
             if a is not None:
                 torch.testing.assert_close(a.to(b.dtype), b, rtol=0, atol=0, msg=f"{rid} {name}")
+
+
+@pytest.mark.parametrize("device", ["cpu", on_cuda()])
+@pytest.mark.parametrize("top_k", [[0, 5, 3], [4, 5, 3]], ids=["dense", "sparse"])
+def test_queued_drafts_fed_whole_carry_the_q_the_split_would(tmp_path, top_k, device):
+    """A verification of exactly the queued rows takes the drafter's proposal whole, q of sampled rows
+    included, where the drafter left it (QueuedDrafts.as_batch). Row by row over the target vocabulary that
+    q must be what the per-request split merges with batch_drafts (greedy rows one-hot at their draft), so
+    the sampler sees the same distributions either way."""
+    from specwire.verifier.alignment import Want, batch_drafts
+    from specwire.verifier.drafter_link import QueuedDrafts
+
+    s = Setup(tmp_path, "eagle3", device=device)
+    order, ks, temps = ["a", "b", "c"], [3, 2, 4], [0.9, 0.0, 1.1]
+    top_k = [tk if t > 0 else 0 for t, tk in zip(temps, top_k, strict=True)]
+    for rid, n in [("a", 7), ("b", 4), ("c", 10)]:
+        s.add(rid, n)
+    s.proposer.propose(order, ks, temps, top_k)
+    proposal = Settled(s, {"a": 2, "b": 1, "c": 3}).queue(s, ks, temps, top_k, on_device=True)
+    wants = [Want(k, t, tk) for k, t, tk in zip(ks, temps, top_k, strict=True)]
+    queued = QueuedDrafts(order, wants, proposal)
+
+    whole = queued.as_batch(order, ks)
+    assert whole is proposal and whole.probs is not None
+    assert whole.token_ids.device.type == device and (whole.probs.values if whole.probs.probs is None
+                                                      else whole.probs.probs).device.type == device
+    split = batch_drafts(order, queued.per_request(), VOCAB)
+    assert [len(t) for t in split.token_ids] == whole.num_drafts.tolist()
+    assert [t for row in split.token_ids for t in row] == whole.token_ids.tolist()
+    torch.testing.assert_close(dense_q(whole.probs), dense_q(split.probs), rtol=0, atol=0)
+    # Anything but the same rows in the same order, each within its room, goes through the split.
+    assert queued.as_batch(["b", "a", "c"], ks) is None
+    assert queued.as_batch(order, [3, 1, 4]) is None
+    queued.dropped.add("b")
+    assert queued.as_batch(order, ks) is None
+
+
+def dense_q(q) -> torch.Tensor:
+    """A DraftProbs as [D, VOCAB] rows (sparse slots of -1 unused)."""
+    if q.is_dense:
+        return q.probs.cpu()
+    indices, values = q.indices.cpu(), q.values.cpu()
+    used = torch.where(indices >= 0, values, 0.0)
+    return torch.zeros(len(indices), VOCAB).scatter_add_(1, indices.clamp_min(0), used)

@@ -64,16 +64,19 @@ def tiny_target() -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     return config, sd
 
 
-def bigram_head(config: ModelConfig, sd: dict[str, torch.Tensor], device: str = "cpu") -> EagleHead:
+def bigram_head(config: ModelConfig, sd: dict[str, torch.Tensor], device: str = "cpu",
+                max_positions: int = MAX_CONTEXT) -> EagleHead:
     """EAGLE-1 head whose output is embed(next token): through the target's lm_head it drafts the token the
     target would pick if attention and MLP were off."""
     layer = ModelConfig(**{**config.__dict__, "num_layers": 1})
-    head_config = EagleHeadConfig(arch="eagle1", layer=layer, target_hidden_size=H, target_vocab_size=VOCAB)
-    head = EagleHead(head_config, sd, torch.float32, device, max_positions=MAX_CONTEXT)
+    hidden = config.hidden_size
+    head_config = EagleHeadConfig(arch="eagle1", layer=layer, target_hidden_size=hidden,
+                                  target_vocab_size=config.vocab_size)
+    head = EagleHead(head_config, sd, torch.float32, device, max_positions=max_positions)
     head.init_weights(0)
     with torch.no_grad():
         head.fc.weight.zero_()
-        head.fc.weight[:, :H] = torch.eye(H)  # x = embed(token): the target feature is ignored
+        head.fc.weight[:, :hidden] = torch.eye(hidden)  # x = embed(token): the target feature is ignored
         head.layer.self_attn.o_proj.weight.zero_()
         head.layer.mlp.down_proj.weight.zero_()
     return head

@@ -60,8 +60,9 @@ class BatchDrafts:
 
     token_ids: list[list[int]]  # per batch row, possibly empty; zeros where on_device holds the drafts
     probs: DraftProbs | None  # rows concatenated; None = every draft is one-hot (greedy)
-    # Greedy drafts left where a co-located drafter made them, every row's concatenated: fed to the
-    # verification as they are, never read by the host (token_ids then only say how many each row has).
+    # Drafts left where a co-located drafter made them, every row's concatenated (their q, if any, in probs
+    # on its device too): fed to the verification as they are, never read by the host (token_ids then only
+    # say how many each row has).
     on_device: torch.Tensor | None = None
 
     @property

@@ -249,15 +249,16 @@ class QueuedDrafts:
     proposal: Proposal
     dropped: set[str] = field(default_factory=set)  # requests the drafter has lost since
 
-    def as_batch(self, request_ids: list[str], room: list[int]) -> torch.Tensor | None:
-        """Every row's draft ids, concatenated on the drafter's device, when they serve a verification of
-        `request_ids` as they are: the same requests in the same order, greedy (no q to ship), none longer
-        than its room. Else None (per_request then splits them on the host)."""
-        if self.dropped or self.proposal.probs is not None or request_ids != self.request_ids:
+    def as_batch(self, request_ids: list[str], room: list[int]) -> Proposal | None:
+        """The drafts as the drafter left them (ids, and the q of sampled rows, on its device; rows in queue
+        order), when they serve a verification of `request_ids` as they are: the same requests in the same
+        order, none longer than its room. Else None (per_request then splits them on the host). Greedy rows
+        of a batch with sampled ones carry a one-hot q, as batch_drafts gives them."""
+        if self.dropped or request_ids != self.request_ids:
             return None
         if any(k > n for k, n in zip(self.proposal.num_drafts.tolist(), room, strict=True)):
             return None
-        return self.proposal.token_ids
+        return self.proposal
 
     def per_request(self) -> dict[str, Drafts]:
         """The drafts by request id, on the host (this waits for them)."""

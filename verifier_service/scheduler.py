@@ -728,10 +728,11 @@ class Scheduler:
         if queued is None:
             return batch_drafts([r.id for r in live], drafts, self.vocab_size)
         room = [self._num_drafts(r) for r in live]
-        if not drafts and (on_device := queued.as_batch([r.id for r in live], room)) is not None:
-            # As the drafter left them: the verification is launched without waiting for them.
-            return BatchDrafts([[0] * k for k in queued.proposal.num_drafts.tolist()], None,
-                               on_device.to(self.engine.device, non_blocking=True))
+        if not drafts and (whole := queued.as_batch([r.id for r in live], room)) is not None:
+            # As the drafter left them: the verification is launched without waiting for them, and the
+            # sampler reads their q (sampled rows) where it is.
+            return BatchDrafts([[0] * k for k in whole.num_drafts.tolist()], whole.probs,
+                               whole.token_ids.to(self.engine.device, non_blocking=True))
         split = queued.per_request()
         for r, n in zip(live, room, strict=True):
             if (d := split.get(r.id)) is not None:
