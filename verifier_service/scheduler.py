@@ -850,7 +850,9 @@ class Scheduler:
     @torch.inference_mode()
     def _prefill_on_worker(self, admitted: list[Request]) -> _Step:
         started = time.perf_counter()
+        round_trace.mark("v.prefill", sum(len(r.prompt) for r in admitted))
         step = self._prefill_step(admitted)
+        round_trace.mark("v.prefilled", len(admitted))
         self.metrics.prefill_step_time.observe(time.perf_counter() - started)
         return step
 
