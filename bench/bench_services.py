@@ -297,6 +297,11 @@ def compare(row: dict, base: dict | None, real_model: bool) -> dict:
     out = {"speedup": row["tokens_per_s"] / base["tokens_per_s"]}
     if row["setup"] == "transformers":
         return out
+    # The same over the decode time alone: prefill steps are the same work in both runs, a larger share of
+    # the shorter one's wall (a diagnostic beside `speedup`, which is what users get).
+    shares = [(r.get("prefill") or {}).get("share") for r in (row, base)]
+    if None not in shares and shares[0] < 1:
+        out["speedup_decode"] = out["speedup"] * (1 - shares[1]) / (1 - shares[0])
     if real_model and row["temperature"] == 0:
         pairs = list(zip(row["_outputs"], base["_outputs"], strict=True))
         out["output_equal_rate"] = sum(a == b for a, b in pairs) / len(pairs)

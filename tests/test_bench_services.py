@@ -102,6 +102,20 @@ def test_the_ideal_speedup_from_engine_thread_and_from_device_time():
     on_cpu = compare(row("colocated", 250.0, 1204, 100, thread=0.8, gpu=None), base | {"_gpu_seconds": None},
                      real_model=False)
     assert "ideal_speedup" in on_cpu and "ideal_speedup_gpu" not in on_cpu
+    assert "speedup_decode" not in spec  # no prefill split recorded
+
+
+def test_the_speedup_over_decode_time_leaves_the_prefill_out():
+    """Prefill is 10% of target-only's wall and 20% of the speculative run's: 2.0x overall is
+    2.0 x 0.9 / 0.8 = 2.25x over the decode time alone."""
+    from bench_services import compare
+
+    def row(setup: str, tokens_per_s: float, share: float) -> dict:
+        return {"setup": setup, "temperature": 0.0, "batch": 16, "tokens_per_s": tokens_per_s, "tokens": 0,
+                "requests": 0, "round_ms": {"steps": 0}, "prefill": {"steps": 6, "ms": 70.0, "share": share}}
+
+    got = compare(row("colocated", 200.0, 0.2), row("target_only", 100.0, 0.1), real_model=False)
+    assert got["speedup"] == pytest.approx(2.0) and got["speedup_decode"] == pytest.approx(2.25)
 
 
 def test_the_harness_runs_the_setups_side_by_side_on_the_cpu(tmp_path):
