@@ -1,5 +1,6 @@
-"""GPU time of a span of queued work, from two CUDA events: what the device spent between the two points of
-its stream, without the host's launch work or its waits for the device."""
+"""GPU time of a span of queued work, from two CUDA events: the time between the device reaching one point of
+its stream and reaching another. Work queued before the span (what it waits for) is left out; where the
+device sits idle inside the span, waiting for the host to queue the next kernel, that time is in it."""
 
 from __future__ import annotations
 

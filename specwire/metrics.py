@@ -171,7 +171,8 @@ class VerifierMetrics(_ServiceMetrics):
         self.verify_gpu_time = h(
             "verify_gpu_seconds",
             "Device time of one verification's forward and sampler, from CUDA events (CUDA only): unlike "
-            "verify_step_seconds, without the host's launch work or the device's wait for queued drafts.",
+            "verify_step_seconds, without the device's wait for work queued before it (drafts); with any "
+            "idle time while the host launches it.",
             STEP_BUCKETS,
         )
         self.prefill_step_time = h(
