@@ -163,6 +163,13 @@ def prefill_rows(requests: Sequence[tuple[int, Sequence[int]]], width: int,
     return PrefillRows(slots, starts, counts, tokens, last_rows, cells)
 
 
+def write_cells(ids: torch.Tensor, cells: Sequence[tuple[int, int]], values: torch.Tensor) -> None:
+    """ids[row, column] = values[i] for the i-th (row, column) of `cells`: values already on ids' device,
+    written there without a wait for the host."""
+    flat = torch.tensor([row * ids.shape[1] + column for row, column in cells])
+    ids.view(-1).index_copy_(0, upload(flat, ids.device), values)
+
+
 # forward(input_ids [B, T], start_pos [B], num_tokens [B], slots [B], logits_index [B] or None): a captured
 # step's body (the target model, or the drafter's head), over static buffers.
 StepForward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], Any]
@@ -247,11 +254,6 @@ class StepGraphs:
             index[:size] = np.arange(size) * self.width + np.maximum(counts[:size] - 1, 0)
         self._inputs.send()
         return size
-
-    def write_cells(self, cells: Sequence[int], values: torch.Tensor) -> None:
-        """After prepare: input ids at flat cells (row * width + column) of the batch take `values`, a
-        tensor on the device, queued behind prepare's copy."""
-        self.input_ids.view(-1).index_copy_(0, upload(torch.tensor(cells), self.input_ids.device), values)
 
     def replay(self, size: int) -> Any:
         """Replay; the returned output buffers are overwritten by the next replay."""
@@ -500,15 +502,13 @@ class TargetEngine:
         graphs = self.graphs_for(*tokens.shape)
         if graphs is not None:
             size = graphs.prepare(slots, tokens, num_tokens, positions)
-            if on_device is not None:
-                graphs.write_cells([b * graphs.width + j for b, j in on_device[0]], on_device[1])
+            if on_device is not None:  # queued behind prepare's copy of the host's ids
+                write_cells(graphs.input_ids, *on_device)
             return graphs.replay(size)
         device = self.device
         tokens = tokens.to(device)
         if on_device is not None:
-            width = tokens.shape[1]
-            cells = upload(torch.tensor([b * width + j for b, j in on_device[0]]), device)
-            tokens.view(-1).index_copy_(0, cells, on_device[1])
+            write_cells(tokens, *on_device)
         return self.model(tokens, positions.to(device), num_tokens.to(device), slots.to(device),
                           self.cache, aux_layers=self.aux_layers)
 

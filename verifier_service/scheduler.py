@@ -969,7 +969,7 @@ class Scheduler:
         def column(values: list, dtype: type) -> np.ndarray:  # numpy: no torch call per column
             return np.array(values, dtype=dtype)
 
-        return rejection_sample(  # draft ids and q go over on the host: the sampler moves them to the logits
+        return rejection_sample(  # draft ids and q, on the host or a drafter's device: the sampler moves them
             logits,
             column([t for d in batch.token_ids for t in d], np.int64) if batch.on_device is None
             else batch.on_device,
