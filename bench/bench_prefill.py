@@ -18,16 +18,17 @@ import argparse
 import datetime
 import json
 import statistics
-import subprocess
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
 from services_client import read_prompts  # bench/ modules: scripts run as `python bench/<name>.py`
+from specwire.drafter.train_eagle import code_commit
 from specwire.kernels.rejection_sampler import rejection_sample
 from specwire.verifier.cli import parse_aux_layers
 from specwire.verifier.feature_store import FeatureStore
+from specwire.verifier.scheduler import Scheduler
 
 from specwire.engine import TargetEngine
 from specwire.model_source import load_model
@@ -83,7 +84,7 @@ def measure(args: argparse.Namespace, prompts: list[list[int]], speculating: boo
         def step_with_store() -> None:
             out = engine.prefill(requests)
             greedy_tokens(out.logits)
-            store.write(torch.cat([out.hidden, out.aux_hidden], dim=-1),
+            store.write(Scheduler._feature_table(out.hidden, out.aux_hidden),
                         [s for s, p in requests for _ in p], [i for _, p in requests for i in range(len(p))])
             store.ready()
 
@@ -117,8 +118,7 @@ def main() -> None:
     result = {
         "bench": "bench_prefill.py",
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                 text=True).stdout.strip() or None,
+        "commit": code_commit(),
         "device": torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else "cpu",
         "args": {k: str(v) for k, v in vars(args).items()},
         "prompt_tokens": [len(p) for p in prompts], "results": rows,
