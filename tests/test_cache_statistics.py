@@ -23,10 +23,10 @@ import pytest
 import torch
 from specwire.drafter.proposer import EagleProposer
 from specwire.drafter.server import DrafterService
-from specwire.verifier.drafter_link import LocalDrafterLink, QueuedDrafts
+from specwire.verifier.drafter_link import LocalDrafterLink
 from specwire.verifier.scheduler import Scheduler, SchedulerConfig
 from test_rejection_sampler import _fits
-from test_services_e2e import bigram_head
+from test_services_e2e import bigram_head, record_whole_batches
 
 from specwire.config import ModelConfig
 from specwire.default_model import default_model_path
@@ -103,14 +103,7 @@ def test_sampled_tokens_after_table_lookups_follow_the_target(monkeypatch, queue
     """Tables: hits and misses both. Queued on the device: many rounds feed the drafter's proposal whole,
     its top-K q where the drafter left it (QueuedDrafts.as_batch), the others split it per request; on CUDA
     under CUDA graphs and the Triton sampler."""
-    fed_whole, as_batch = [], QueuedDrafts.as_batch
-
-    def counted(self, *args):
-        out = as_batch(self, *args)
-        fed_whole.append(out is not None and out.probs is not None)
-        return out
-
-    monkeypatch.setattr(QueuedDrafts, "as_batch", counted)
+    calls = record_whole_batches(monkeypatch)
     config, sd = small_target()
     engine = TargetEngine(checkpoint=(config, sd), device=device, dtype=torch.float32, max_slots=32,
                           max_context=64, max_verify_tokens=K + 1)
@@ -130,6 +123,7 @@ def test_sampled_tokens_after_table_lookups_follow_the_target(monkeypatch, queue
 
     if queued:
         assert metrics.queued_drafts._value.get() > 1000
+        fed_whole = [sampled for _, sampled in calls]  # fed whole, q included
         assert sum(fed_whole) > 200 and not all(fed_whole), (sum(fed_whole), len(fed_whole))
     else:
         hits, misses = (metrics.cache[r]._value.get() for r in ("hit", "miss"))

@@ -571,6 +571,22 @@ def test_colocated_serial_drafting_on_the_loop_equals_target_only(world):
         v.close()
 
 
+def record_whole_batches(monkeypatch) -> list[tuple[bool, bool]]:
+    """Patches QueuedDrafts.as_batch to record, per call, whether the round took the queued drafts whole (as
+    the drafter left them) and whether those carried q (sampled rows)."""
+    from specwire.verifier.drafter_link import QueuedDrafts
+
+    calls, as_batch = [], QueuedDrafts.as_batch
+
+    def recording(self, *args):
+        out = as_batch(self, *args)
+        calls.append((out is not None, out is not None and out.probs is not None))
+        return out
+
+    monkeypatch.setattr(QueuedDrafts, "as_batch", recording)
+    return calls
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs CUDA")])])
 def test_colocated_drafts_queued_behind_the_sampler_equal_target_only(world, monkeypatch, device):
@@ -580,22 +596,14 @@ def test_colocated_drafts_queued_behind_the_sampler_equal_target_only(world, mon
     which get their first drafts through a DraftStep. Rounds of the same rows feed the queued drafts to the
     next verification as the drafter left them (QueuedDrafts.as_batch), the others split them per request:
     both happen here."""
-    from specwire.verifier.drafter_link import QueuedDrafts
-
-    fed_whole, as_batch = [], QueuedDrafts.as_batch
-
-    def counted(self, *args):
-        out = as_batch(self, *args)
-        fed_whole.append(out is not None)
-        return out
-
-    monkeypatch.setattr(QueuedDrafts, "as_batch", counted)
+    calls = record_whole_batches(monkeypatch)
     v = Verifier(world.loop, world.checkpoint, world.tokenizer, "colocated-inline", cache_branches=0,
                  queue_drafts=True, max_slots=3, device=device)
     try:
         greedy_equals_target_only(world, v, 8, seed=41, device=device)
         queued, drafted = v.counter(v.metrics.queued_drafts), v.counter(v.metrics.num_draft_tokens)
         assert queued > 0 and drafted > 0 and v.counter(v.metrics.cache["hit"]) == 0
+        fed_whole = [whole for whole, _ in calls]
         assert any(fed_whole) and not all(fed_whole), fed_whole
         # On CUDA each verification's device time is timed too, within its engine-thread time (the span
         # starts once the drafts it is queued behind are done); a CPU times none.
