@@ -36,7 +36,7 @@ from specwire.engine import (
     warm_up_widths,
 )
 from specwire.model import KVCache
-from specwire.staging import StagedInputs, device_index, read_back, upload
+from specwire.staging import StagedInputs, read_back, upload
 from specwire.wire import as_numpy
 
 
@@ -877,7 +877,8 @@ class EagleProposer:
         K = self.max_drafts
         sampled = [(t, tk) for t, tk, k in zip(temperature, top_k, ks, strict=True) if t > 0 and k > 0]
         if on_device or sampled:  # the rows' cells of the [B, K] output buffers
-            index = device_index(tuple(b * K + j for b, k in enumerate(ks) for j in range(k)), self.device)
+            index = torch.tensor([b * K + j for b, k in enumerate(ks) for j in range(k)], dtype=torch.int64)
+            index = upload(index, self.device)
         if on_device:
             token_ids = self._tokens.flatten().index_select(0, index)
         else:

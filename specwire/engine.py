@@ -20,7 +20,7 @@ from specwire.kernels.rejection_sampler import rejection_sample
 from specwire.model import KVCache, LlamaModel, ModelOutput
 from specwire.model_source import load_model
 from specwire.sampling_params import SamplingParams
-from specwire.staging import StagedInputs, device_index, upload
+from specwire.staging import StagedInputs, upload
 from specwire.tokenizer import IncrementalDetokenizer, Tokenizer
 
 DTYPES = {
@@ -166,9 +166,8 @@ def prefill_rows(requests: Sequence[tuple[int, Sequence[int]]], width: int,
 def write_cells(ids: torch.Tensor, cells: Sequence[tuple[int, int]], values: torch.Tensor) -> None:
     """ids[row, column] = values[i] for the i-th (row, column) of `cells`: values already on ids' device,
     written there without a wait for the host."""
-    width = ids.shape[1]
-    flat = device_index(tuple(row * width + column for row, column in cells), ids.device)
-    ids.view(-1).index_copy_(0, flat, values)
+    flat = torch.tensor([row * ids.shape[1] + column for row, column in cells])
+    ids.view(-1).index_copy_(0, upload(flat, ids.device), values)
 
 
 # forward(input_ids [B, T], start_pos [B], num_tokens [B], slots [B], logits_index [B] or None): a captured
@@ -484,8 +483,8 @@ class TargetEngine:
         stride, fed = out.hidden.shape[1], sum(counts)
         index = None
         if fed < len(counts) * stride:
-            index = device_index(tuple(i * stride + j for i, n in enumerate(counts) for j in range(n)),
-                                 self.device)
+            index = torch.tensor([i * stride + j for i, n in enumerate(counts) for j in range(n)])
+            index = upload(index, self.device)
 
         def pick(t: torch.Tensor) -> torch.Tensor:
             return t[:fed].clone() if index is None else t[index]

@@ -15,7 +15,6 @@ tables held the verifier's launch until the tables were drafted, about 2 ms a ba
 
 from __future__ import annotations
 
-import functools
 import math
 
 import numpy as np
@@ -78,15 +77,6 @@ def upload(values: torch.Tensor, to: torch.device | torch.Tensor) -> torch.Tenso
     if isinstance(to, torch.Tensor):
         return to.copy_(values, non_blocking=True)
     return values.to(device, non_blocking=True)
-
-
-@functools.lru_cache(maxsize=512)
-def device_index(values: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    """An int64 index on `device`, uploaded once per distinct `values` and kept: the cells a round picks or
-    writes repeat from round to round (all rows full, mostly), and building and uploading them each time
-    cost ~0.1 ms of host time on the verifier's critical path a batch-16 round (py-spy, session 24). Read
-    it, never write it: every caller with the same values shares it."""
-    return upload(torch.tensor(values, dtype=torch.int64), device)
 
 
 class Readback:
