@@ -89,43 +89,15 @@ class Linear(nn.Linear):
     """
 
     packed: torch.Tensor | None = None
-    fp8: tuple[torch.Tensor, torch.Tensor] | None = None  # (weight^T in float8 e4m3, per-column scale)
 
     def pack_for_cpu(self) -> None:
         """Freeze the current weight for inference: later changes to .weight are not seen; no autograd."""
         self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight)
 
-    def quantize_fp8(self) -> None:
-        """Freeze the current weight as float8 e4m3 with one scale per output feature, for inference on a GPU
-        with FP8 tensor cores (sm89+): the matmul then reads half the bytes of bf16. Each call quantises its
-        input per row (token) on the fly (fp8_linear)."""
-        w = self.weight.detach().float()
-        scale = (w.abs().amax(dim=1) / FP8_MAX).clamp_min(_TINY)
-        # [N, K] row-major transposed: the column-major [K, N] operand _scaled_mm takes as its second
-        self.fp8 = ((w / scale[:, None]).to(torch.float8_e4m3fn).t(), scale[None, :].contiguous())
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fp8 is not None:
-            return fp8_linear(x, *self.fp8, self.bias)
         if self.packed is None:
             return super().forward(x)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-
-
-FP8_MAX = 448.0  # largest finite float8 e4m3fn
-_TINY = torch.finfo(torch.float32).tiny  # the scale of an all-zero row or column
-
-
-def fp8_linear(x: torch.Tensor, weight_t: torch.Tensor, weight_scale: torch.Tensor,
-               bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ W^T + bias with x quantised per row to float8 e4m3 (scale: the row's absolute max / 448) and W
-    given as Linear.quantize_fp8 stores it; out in x's dtype (bf16)."""
-    rows = x.reshape(-1, x.shape[-1])
-    x_scale = (rows.abs().amax(dim=1, keepdim=True).float() / FP8_MAX).clamp_min(_TINY)
-    x_fp8 = (rows / x_scale).to(torch.float8_e4m3fn)
-    out = torch._scaled_mm(x_fp8, weight_t, scale_a=x_scale, scale_b=weight_scale, bias=bias,
-                           out_dtype=x.dtype)
-    return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
 def pack_for_cpu(module: nn.Module) -> None:
