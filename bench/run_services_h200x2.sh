@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
 # Runs ON a lent nvidia-h200-x2 machine (the device tool), from the repo root, in calls made one straight after
-# the other (the machine stays warm 30 s between them; bench/README.md has the exact calls): six that stage the
-# model in halves, then the run.
+# the other (the machine stays warm 30 s between them; bench/README.md has the exact calls): eighteen that
+# stage the model in sixths of its three parts, then the run.
 #
-#   calls 1-6, carry [".devcarry/smol.part.XX.YY"]:  bash bench/run_services_h200x2.sh stage XX.YY
-#                    (XX.YY = aa.aa, aa.ab, ab.aa, ab.ab, ac.aa, ac.ab)
-#   call 7, carry [".devcarry/wmin"]:              SPECWIRE_COMMIT=<sha> bash bench/run_services_h200x2.sh
+#   calls 1-18, carry [".devcarry/smol.part.XX.N"]:  bash bench/run_services_h200x2.sh stage XX.N
+#                    (XX.N = aa.0 ... aa.5, ab.0 ... ab.5, ac.0 ... ac.5)
+#   call 19, carry [".devcarry/wmin"]:              SPECWIRE_COMMIT=<sha> bash bench/run_services_h200x2.sh
 #   (a synthetic-only run needs no staging: WORKLOADS_NEED_MODEL=0 ... --workloads synthetic)
 #
-# The tree that travels is about 34 MB (the heads and results) and a call carries 64 MiB in all, so the 98 MB
-# GGUF goes in halves of 16.5 MB (bench/stage_device.sh makes them; bench/join_model.sh joins them on the
-# machine). Whole parts (`stage aa`, carry [".devcarry/smol.part.aa"]) still work while the tree is small.
+# The tree that travels is about 59 MB since session 24 (the 40 MB head, the results) and a call carries 64 MiB
+# in all, so the 98 MB GGUF goes in pieces of 5.5 MB (bench/stage_device.sh makes them; bench/join_model.sh
+# joins them on the machine and checks the md5). Halves (`stage aa.aa`) still join, for a smaller tree.
 #
 # The run joins the model, runs bench/bench_services.py's default grid (SmolLM2 + shipped head, and the synthetic
 # Llama-3.1-8B shape at forced mean acceptance lengths 3, 2, 4, with a forced cache hit rate of 0.8 and
