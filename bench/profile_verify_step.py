@@ -18,14 +18,13 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import statistics
-import subprocess
 import sys
 import threading
 import time
 
 import torch
+from specwire.drafter.train_eagle import code_commit
 from specwire.kernels.rejection_sampler import rejection_sample
 
 from specwire.engine import TargetEngine
@@ -151,8 +150,7 @@ def main() -> int:
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name(), "torch": torch.__version__, "model": args.model,
         "switch_interval_default_s": default_si, "switch_interval_s": args.switch_interval,
-        "commit": os.environ.get("SPECWIRE_COMMIT") or subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip(),
+        "commit": code_commit(),
         "units": "ms, median per call", "results": results,
     }
     if args.out:
