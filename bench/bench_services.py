@@ -11,9 +11,8 @@ bench/README.md for the device command, bench/plot_services.py for the plots. Ev
 requests at once (fixed length: ignore_eos; unseeded, since the verifier asks seeded requests for greedy
 drafts and users rarely seed), `--repeats` times and at least `--min-requests` requests in all; with `--loads
 sustained`, also `batch` requests in flight at a time (lanes that each send their next request when the last
-one ends, as many requests a lane; a
-static batch lasts until its slowest request ends, which speculation's varying acceptance makes later than
-target-only's), and reads:
+one ends, as many requests in all as the static point; a static batch lasts until its slowest request ends,
+which speculation's varying acceptance makes later than target-only's), and reads:
 
 - from the client's stream (bench/services_client.py): tokens/s (all tokens / wall time of the batches),
   TTFT, inter-chunk latency and TPOT percentiles, mean acceptance length (from the requests' usage);
