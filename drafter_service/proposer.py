@@ -29,9 +29,11 @@ from specwire import round_trace
 from specwire.engine import (
     PREFILL_GRAPH_TOKENS,
     PREFILL_ROW,
+    PrefillRows,
     StepGraphs,
     capture,
     on_own_device,
+    prefill_capture_sizes,
     prefill_rows,
     warm_up_widths,
 )
@@ -419,53 +421,39 @@ class EagleProposer:
         return self._proposal(ks, temperature, top_k, on_device)
 
     def _prefill_overflow(self, requests: list[_Request]) -> None:
-        """Commit pending pairs beyond the graph's first-step width (new prompts), keeping one: by the
-        prefill graph where they fit it, else eagerly."""
+        """Commit pending pairs beyond the graph's first-step width (new prompts), keeping one: cut into rows
+        (engine.PrefillRows), a prefill graph's worth of rows a forward."""
         rows = [r for r in requests if r.num_pending > self._T]
         if not rows:
             return
         counts = [r.num_pending - 1 for r in rows]
         features = [torch.cat(r.pending_features) for r in rows]  # each request's, joined once
-        if self._prefill_graphs is not None and self._prefill_graphs.fits_prompts(counts):
-            self._prefill_by_graph(rows, counts, features)
-        else:
-            self._prefill_eagerly(rows, counts, features)
+        grid = prefill_rows([(r.slot, r.pending_tokens[:n]) for r, n in zip(rows, counts, strict=True)],
+                            PREFILL_ROW, [r.num_cached for r in rows])
+        fed = torch.cat([joined[:n] for joined, n in zip(features, counts, strict=True)])
+        fed = fed.to(self.device, self.head.dtype)
+        first = 0
+        for chunk in grid.chunks(PREFILL_GRAPH_TOKENS // PREFILL_ROW):
+            self._prefill_rows(chunk, fed[first:first + len(chunk.cells)])
+            first += len(chunk.cells)
         for r, n, joined in zip(rows, counts, features, strict=True):
             r.num_cached += n
             r.pending_tokens, r.pending_features = r.pending_tokens[n:], [joined[n:]]
 
-    def _prefill_by_graph(self, rows: list[_Request], counts: list[int], features: list[torch.Tensor]
-                          ) -> None:
-        grid = prefill_rows([(r.slot, r.pending_tokens[:n]) for r, n in zip(rows, counts, strict=True)],
-                            PREFILL_ROW, [r.num_cached for r in rows])
-        fed = torch.cat([joined[:n] for joined, n in zip(features, counts, strict=True)])
-        cells = upload(torch.tensor(grid.cells), self.device)
+    def _prefill_rows(self, rows: PrefillRows, features: torch.Tensor) -> None:
+        """The head's forward over one chunk of prompt rows, `features` at its cells: by the prefill graph
+        where there is one, else eagerly."""
         F = self.head.config.feature_dim
-        self._prefill_features.view(-1, F).index_copy_(0, cells, fed.to(self.device, self.head.dtype))
-        self._prefill_graphs.replay_rows(grid)
-
-    def _prefill_eagerly(self, rows: list[_Request], counts: list[int], features: list[torch.Tensor]) -> None:
-        width = max(counts)
-        ids = torch.zeros(len(rows), width, dtype=torch.int64)
-        home = rows[0].pending_features[0].device  # the host for features from the wire, else this device
-        feats = torch.zeros(len(rows), width, self.head.config.feature_dim, dtype=self.head.dtype,
-                            device=home)
-        for i, (r, n, joined) in enumerate(zip(rows, counts, features, strict=True)):
-            ids[i, :n] = torch.tensor(r.pending_tokens[:n])
-            feats[i, :n] = joined[:n]
-
-        def column(values: list[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.int32, device=self.device)
-
-        self.head(
-            ids.to(self.device),
-            feats.to(self.device),
-            column([r.num_cached for r in rows]),
-            column(counts),
-            column([r.slot for r in rows]),
-            self.cache.k[0],
-            self.cache.v[0],
-        )
+        if self._prefill_graphs is not None:
+            grid = self._prefill_features
+        else:
+            grid = torch.zeros(len(rows.slots), PREFILL_ROW, F, dtype=self.head.dtype, device=self.device)
+        grid.view(-1, F).index_copy_(0, upload(torch.tensor(rows.cells), self.device), features)
+        if self._prefill_graphs is not None:
+            self._prefill_graphs.replay_rows(rows)
+            return
+        self.head(torch.from_numpy(rows.tokens).to(self.device), grid, *rows.columns(self.device),
+                  self.cache.k[0], self.cache.v[0])
 
     def _load_batch(
         self, requests: list[_Request], ks: list[int], temperature: list[float], top_k: list[int], size: int
@@ -597,7 +585,8 @@ class EagleProposer:
             return self.head(ids, self._prefill_features[:ids.shape[0]], start_pos, num_tokens, slots,
                              self.cache.k[0], self.cache.v[0])
 
-        self._prefill_graphs = StepGraphs(forward, self.device, self.cache.trash_slot, rows, PREFILL_ROW)
+        self._prefill_graphs = StepGraphs(forward, self.device, self.cache.trash_slot, rows, PREFILL_ROW,
+                                          sizes=prefill_capture_sizes(rows))
 
     @on_own_device
     def _warm_up_prefill(self) -> None:

@@ -108,7 +108,7 @@ class GenerationResult:
 
 
 def warm_up_widths(max_context: int) -> list[int]:
-    """Eager prefill widths that compile every kernel variant a prompt can pick (attention's tile size follows
+    """Eager forward widths that compile every kernel variant a step can pick (attention's tile size follows
     the width up to 128 tokens; the width itself is not specialised), run once at start-up so that no request
     waits on Triton mid-serving: 1, 2, 4, ..., 128 tokens, within the context."""
     return [n for n in (2**i for i in range(8)) if n <= max_context]
@@ -123,7 +123,13 @@ def capture_sizes(max_batch: int) -> list[int]:
     return [*sizes, max_batch]
 
 
-# Tokens a row of the prefill graph feeds: prompts are cut into rows this wide (PrefillRows), so that any mix
+def prefill_capture_sizes(max_rows: int) -> list[int]:
+    """Row counts with a prefill graph: 1, 2, 4, 8, then every 4th up to max_rows. A prefill's forward is
+    compute-bound, so every padded row costs what a live one does; powers of two would pad up to half."""
+    return sorted({*(s for s in (1, 2, 4, 8) if s < max_rows), *range(8, max_rows, 4), max_rows})
+
+
+# Tokens a row of a prefill forward feeds: prompts are cut into rows this wide (PrefillRows), so that any mix
 # of prompts fits a few captured grids. At 64 a prompt pads fewer than 64 tokens.
 PREFILL_ROW = 64
 PREFILL_GRAPH_TOKENS = 2048  # cells of the largest prefill graph: 32 rows
@@ -142,6 +148,25 @@ class PrefillRows:
     tokens: np.ndarray  # [rows, width] int64, zero past each row's count
     last_rows: list[int]  # per prompt: the row holding its last token
     cells: list[int]  # per prompt token, prompts in order: its cell, row * width + column
+
+    def columns(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """start_pos, num_tokens and slots: a forward's row metadata, int32 on `device`."""
+        return tuple(torch.tensor(v, dtype=torch.int32, device=device)  # type: ignore[return-value]
+                     for v in (self.starts, self.counts, self.slots))
+
+    def chunks(self, max_rows: int) -> list[PrefillRows]:
+        """Consecutive rows, at most max_rows a forward, each chunk with its own last_rows and cells (only
+        the prompts ending in it, only its tokens, renumbered). Fed in order they are the prefill: a prompt
+        cut across chunks attends to the keys its earlier rows left in the cache. Concatenating the chunks'
+        picks gives the whole grid's, in prompt and token order."""
+        width, out = self.tokens.shape[1], []
+        for first in range(0, len(self.slots), max_rows):
+            last = min(first + max_rows, len(self.slots))
+            out.append(PrefillRows(
+                self.slots[first:last], self.starts[first:last], self.counts[first:last],
+                self.tokens[first:last], [r - first for r in self.last_rows if first <= r < last],
+                [c - first * width for c in self.cells if first * width <= c < last * width]))
+        return out
 
 
 def prefill_rows(requests: Sequence[tuple[int, Sequence[int]]], width: int,
@@ -186,8 +211,9 @@ class StepGraphs:
     """
 
     def __init__(self, forward: StepForward, device: torch.device, trash_slot: int, max_batch: int,
-                 width: int, pool=None, last_logits: bool = False):
-        self.sizes, self.width, self.last_logits = capture_sizes(max_batch), width, last_logits
+                 width: int, pool=None, last_logits: bool = False, sizes: list[int] | None = None):
+        """sizes: the batch sizes captured, the largest max_batch (default capture_sizes(max_batch))."""
+        self.sizes, self.width, self.last_logits = sizes or capture_sizes(max_batch), width, last_logits
         self.trash = trash_slot
         n = self.sizes[-1]
         # A step's inputs are written on the host and go over in one non-blocking copy.
@@ -221,10 +247,6 @@ class StepGraphs:
 
     def fits(self, batch: int, width: int) -> bool:
         return batch <= self.sizes[-1] and width <= self.width
-
-    def fits_prompts(self, lengths: Sequence[int]) -> bool:
-        """Whether prompts of these lengths, cut into rows of this graph's width (PrefillRows), fit it."""
-        return self.fits(sum(-(-n // self.width) for n in lengths), self.width)
 
     def replay_rows(self, rows: PrefillRows) -> Any:
         """prepare + replay for prompts cut into rows of this graph's width."""
@@ -335,10 +357,10 @@ class TargetEngine:
             if prefill_graph_tokens >= PREFILL_ROW:
                 rows = prefill_graph_tokens // PREFILL_ROW
                 self.prefill_graphs = StepGraphs(forward, self.device, trash, rows, PREFILL_ROW, pool,
-                                                 last_logits=True)
+                                                 last_logits=True, sizes=prefill_capture_sizes(rows))
             with device_scope(self.device):  # into slot 0: free, and a prefill rewrites it from 0
                 for n in warm_up_widths(max_context):
-                    self._prefill_eager([(0, [0] * n)])
+                    self._prefill_chunk(prefill_rows([(0, [0] * n)], n), graph=False)
 
     # ------------------------------------------------------------------------------------------ slots
 
@@ -365,8 +387,8 @@ class TargetEngine:
 
     @on_own_device
     def prefill(self, requests: Sequence[tuple[int, Sequence[int]]]) -> StepOutput:
-        """Feed whole prompts [(slot, token ids)] from position 0 in padded batches, chunked so that no
-        forward holds more than max_prefill_tokens grid cells. logits: [len(requests), V] at each last
+        """Feed whole prompts [(slot, token ids)] from position 0, cut into rows of PREFILL_ROW tokens
+        (PrefillRows) and fed prefill_rows_per_forward rows a forward. logits: [len(requests), V] at each last
         prompt token; hidden/aux: every prompt token, requests concatenated in order."""
         if not requests:
             raise ValueError("prefill needs at least one request")
@@ -377,56 +399,36 @@ class TargetEngine:
             if not 0 <= slot < self.max_slots:
                 raise ValueError(f"slot {slot} out of range [0, {self.max_slots})")
             self.check_token_ids(ids)
-        if self.prefill_graph_fits(lengths):
-            return self._prefill_graph(prefill_rows(requests, PREFILL_ROW))
-        return self._prefill_eager(requests)
+        grid = prefill_rows(requests, PREFILL_ROW)
+        outs = [self._prefill_chunk(chunk) for chunk in grid.chunks(self.prefill_rows_per_forward)]
+        return StepOutput(torch.cat([o.logits for o in outs]), torch.cat([o.hidden for o in outs]),
+                          torch.cat([o.aux_hidden for o in outs]) if self.aux_layers else None)
 
-    def prefill_graph_fits(self, lengths: Sequence[int]) -> bool:
-        """Whether prompts of these lengths are prefilled by a graph replay (else eagerly)."""
-        return self.prefill_graphs is not None and self.prefill_graphs.fits_prompts(lengths)
+    @property
+    def prefill_rows_per_forward(self) -> int:
+        """Rows of PREFILL_ROW tokens a prefill forward holds: the largest prefill graph's, else as many as
+        max_prefill_tokens allows."""
+        if self.prefill_graphs is not None:
+            return self.prefill_graphs.sizes[-1]
+        return max(1, self.max_prefill_tokens // PREFILL_ROW)
 
-    def _prefill_graph(self, rows: PrefillRows) -> StepOutput:
-        out = self.prefill_graphs.replay_rows(rows)
-        index = upload(torch.tensor(rows.last_rows + rows.cells), self.device)  # one copy for both picks
-        last, cells = index[:len(rows.last_rows)], index[len(rows.last_rows):]
+    def _prefill_chunk(self, rows: PrefillRows, graph: bool = True) -> StepOutput:
+        """One forward over rows (a chunk of a prefill): logits at the last token of each prompt ending in
+        it, hidden and aux at its tokens. By graph replay when there are prefill graphs."""
+        if graph and self.prefill_graphs is not None:
+            out = self.prefill_graphs.replay_rows(rows)
+            last = torch.tensor(rows.last_rows, dtype=torch.int64)  # the graph's logits: each row's last cell
+        else:
+            w = rows.tokens.shape[1]
+            last_cells = torch.tensor([r * w + rows.counts[r] - 1 for r in rows.last_rows], dtype=torch.int64)
+            out = self.model(torch.from_numpy(rows.tokens).to(self.device), *rows.columns(self.device),
+                             self.cache, logits_index=last_cells.to(self.device), aux_layers=self.aux_layers)
+            last = torch.arange(len(rows.last_rows))
+        index = upload(torch.cat([last, torch.tensor(rows.cells, dtype=torch.int64)]), self.device)
+        last, cells = index[:len(rows.last_rows)], index[len(rows.last_rows):]  # one copy for both picks
         hidden = out.hidden.flatten(0, 1).index_select(0, cells)
         aux = out.aux_hidden.flatten(0, 1).index_select(0, cells) if out.aux_hidden is not None else None
         return StepOutput(out.logits.index_select(0, last), hidden, aux)
-
-    def _prefill_eager(self, requests: Sequence[tuple[int, Sequence[int]]]) -> StepOutput:
-        lengths = [len(ids) for _, ids in requests]
-        chunk = max(1, min(max(lengths), self.max_prefill_tokens // len(requests)))
-        logits: list[torch.Tensor | None] = [None] * len(requests)
-        hidden: list[list[torch.Tensor]] = [[] for _ in requests]
-        aux: list[list[torch.Tensor]] = [[] for _ in requests]
-        for start in range(0, max(lengths), chunk):
-            rows = [r for r, n in enumerate(lengths) if n > start]
-            counts = [min(chunk, lengths[r] - start) for r in rows]
-            width = max(counts)
-            ids = torch.zeros(len(rows), width, dtype=torch.int64)
-            for i, (r, n) in enumerate(zip(rows, counts, strict=True)):
-                ids[i, :n] = torch.as_tensor(requests[r][1][start:start + n])
-            out = self.model(
-                ids.to(self.device),
-                torch.full((len(rows),), start, dtype=torch.int32, device=self.device),
-                torch.tensor(counts, dtype=torch.int32, device=self.device),
-                torch.tensor([requests[r][0] for r in rows], dtype=torch.int32, device=self.device),
-                self.cache,
-                logits_index=torch.tensor([i * width + n - 1 for i, n in enumerate(counts)],
-                                          device=self.device),
-                aux_layers=self.aux_layers,
-            )
-            for i, (r, n) in enumerate(zip(rows, counts, strict=True)):
-                if start + n == lengths[r]:
-                    logits[r] = out.logits[i]
-                hidden[r].append(out.hidden[i, :n])
-                if out.aux_hidden is not None:
-                    aux[r].append(out.aux_hidden[i, :n])
-        return StepOutput(
-            torch.stack(logits),
-            torch.cat([h for pieces in hidden for h in pieces]),
-            torch.cat([a for pieces in aux for a in pieces]) if self.aux_layers else None,
-        )
 
     @on_own_device
     def decode(

@@ -3,10 +3,13 @@ and (GPU) CUDA-graph replay against eager."""
 
 import pytest
 import torch
+from specwire.drafter import proposer as proposer_module
 from specwire.drafter.draft_sampling import sample_drafts
 from specwire.drafter.eagle_head import load_eagle_head
 from specwire.drafter.proposer import EagleProposer, ProposerError
 from test_drafter_head import VOCAB, reference_head, tiny_target, write_head
+
+from specwire.engine import PREFILL_ROW
 
 MAX_DRAFTS = 4
 
@@ -128,6 +131,20 @@ def test_greedy_chains_per_request_k_and_join_leave(tmp_path, arch, device):
     assert p.token_ids.numel() == 0 and p.num_drafts.tolist() == [0, 0] and p.probs is None
     s.update("e", 1)
     assert split(s.proposer.propose(["e"], [3], [0.0], [0])) == [greedy_chain(s, "e", 3)]
+
+
+@pytest.mark.parametrize("rows_per_forward", [1, 32])
+def test_long_prompts_cut_into_rows_and_forwards(tmp_path, monkeypatch, rows_per_forward):
+    """New prompts of several rows of PREFILL_ROW tokens, fed all rows in one forward or one row a forward (a
+    prompt cut across forwards), leave the head's cache as the whole-prompt reference does: the chains
+    drafted from it are the reference's."""
+    monkeypatch.setattr(proposer_module, "PREFILL_GRAPH_TOKENS", rows_per_forward * PREFILL_ROW)
+    s = Setup(tmp_path, "eagle3", max_context=256)
+    for rid, n in [("a", 150), ("b", 3), ("c", 66)]:  # 3 rows, 1 row, 2 rows (past the first-step width)
+        s.add(rid, n)
+    order, ks = ["a", "b", "c"], [4, 2, 3]
+    p = s.proposer.propose(order, ks, [0.0] * 3, [0] * 3)
+    assert split(p) == [greedy_chain(s, r, k) for r, k in zip(order, ks, strict=True)]
 
 
 @pytest.mark.parametrize("arch", ["eagle1", "eagle3"])

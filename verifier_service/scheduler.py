@@ -858,7 +858,7 @@ class Scheduler:
 
     def _prefill_step(self, admitted: list[Request]) -> _Step:
         out = self.engine.prefill([(r.slot, r.prompt) for r in admitted])
-        graph = self.engine.prefill_graph_fits([len(r.prompt) for r in admitted])
+        graph = self.engine.prefill_graphs is not None
         self.metrics.forward_steps_by_mode["cuda_graph" if graph else "eager"].inc()
         none = BatchDrafts([[] for _ in admitted], None)
         tokens = self._sample(out.logits, admitted, none).token_lists()
