@@ -170,7 +170,7 @@ class EagleHead(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(the attention's input, the residual stream) for tokens [B, T] and features [B, T, F]."""
         eps, layer = self.config.layer.rms_norm_eps, self.layer
-        embeds = ops.embedding(input_ids, self.embed_tokens.weight)
+        embeds = self.embed_tokens(input_ids)
         features = features.to(self.dtype)
         if self.config.arch == "eagle1":
             residual = self.fc(torch.cat([embeds, features], dim=-1))

@@ -183,13 +183,6 @@ def attention(
     return attention_ref(q, k_cache_l, v_cache_l, slots, start_pos, num_tokens, scale)
 
 
-def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """weight[ids]: rows of the embedding table. The same rows as F.embedding, whose CUDA forward is an
-    index_select that takes ~8-12 us for 16-80 rows of Llama-3.1-8B's table on an H100/H200 (a draft step's
-    trace); advanced indexing runs a vectorized gather (bench/bench_embedding.py)."""
-    return weight[ids]
-
-
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """silu(x[..., :I]) * x[..., I:] for x [..., 2I]."""
     if _triton_enabled(x):

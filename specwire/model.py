@@ -239,7 +239,7 @@ class LlamaModel(nn.Module):
         eps = self.config.rms_norm_eps
         positions = start_pos[:, None] + torch.arange(input_ids.shape[1], device=input_ids.device)
 
-        hidden, residual = ops.embedding(input_ids, self.embed_tokens.weight), None
+        hidden, residual = self.embed_tokens(input_ids), None
         taps = {}
         for i, layer in enumerate(self.layers):
             if residual is None:
