@@ -16,7 +16,7 @@
 # Llama-3.1-8B shape at forced mean acceptance lengths 3, 2, 4, with a forced cache hit rate of 0.8 and
 # without the cache; drafter on GPU 0, verifier on GPU 1), starting
 # no configuration after BUDGET seconds (default 500), then plots. $OUT gets services_h200x2.json,
-# services_8b_synthetic_h200x2.json, their PNGs, bench.log and service_logs.tar.gz. Extra arguments go to
+# services_8b_synthetic_h200x2.json (h100x2 on two H100s), their PNGs, bench.log and service_logs.tar.gz. Extra arguments go to
 # bench_services.py and override its defaults.
 set -uo pipefail
 OUT=${OUT:-/tmp/specwire-out}
@@ -35,8 +35,11 @@ fi
 source bench/device_env.sh
 export CUDA_DEVICE_ORDER=PCI_BUS_ID  # cuda:N is NVML's GPU N (bench/gpu_busy.py)
 nvidia-smi --query-gpu=index,name,memory.used,utilization.gpu --format=csv
+# The files are named after the cards lent (a call for nvidia-h200-x2 may run on two H100s): h200x2, h100x2.
+card=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -oE 'H[0-9]+' | tr 'H' 'h')
+tag="${card:-gpu}x$(nvidia-smi --query-gpu=name --format=csv,noheader | wc -l)"
 python3 bench/bench_services.py "${model[@]}" --drafter-device cuda:0 --verifier-device cuda:1 \
-    --out-dir "$OUT" --tag h200x2 --budget-seconds "${BUDGET:-500}" "$@" 2>&1 | tee "$OUT/bench.log"
+    --out-dir "$OUT" --tag "$tag" --budget-seconds "${BUDGET:-500}" "$@" 2>&1 | tee "$OUT/bench.log"
 status=${PIPESTATUS[0]}
 python3 bench/plot_services.py "$OUT"/services_*.json 2>&1 | tee -a "$OUT/bench.log"
 for f in "$OUT"/services_*.json; do
