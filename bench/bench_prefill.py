@@ -30,7 +30,7 @@ from specwire.verifier.cli import parse_aux_layers
 from specwire.verifier.feature_store import FeatureStore
 from specwire.verifier.scheduler import Scheduler
 
-from specwire.engine import PREFILL_ROW, TargetEngine
+from specwire.engine import PREFILL_ROW, TargetEngine, prefill_rows
 from specwire.model_source import load_model
 
 PROMPTS = Path(__file__).parent / "data" / "heldout_chat_sharegpt.jsonl"
@@ -74,7 +74,7 @@ def measure(args: argparse.Namespace, prompts: list[list[int]], speculating: boo
     requests = list(zip(slots, prompts, strict=True))
     row = {"speculating": speculating, "aux_layers": list(aux),
            "prefill_graph": engine.prefill_graphs is not None,
-           "forwards": -(-sum(-(-len(p) // PREFILL_ROW) for p in prompts) // engine.prefill_rows_per_forward),
+           "forwards": len(prefill_rows(requests, PREFILL_ROW).chunks(engine.prefill_rows_per_forward)),
            "forward_ms": timed(lambda: engine.prefill(requests), args.repeats, device),
            "step_ms": timed(lambda: greedy_tokens(engine.prefill(requests).logits), args.repeats, device)}
     if speculating:

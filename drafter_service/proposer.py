@@ -35,7 +35,6 @@ from specwire.engine import (
     on_own_device,
     prefill_capture_sizes,
     prefill_rows,
-    warm_up_widths,
 )
 from specwire.model import KVCache
 from specwire.staging import StagedInputs, read_back, upload
@@ -204,7 +203,6 @@ class EagleProposer:
         self._prefill_graphs: StepGraphs | None = None
         if self.graph_sizes:
             self._capture()
-            self._warm_up_prefill()
             self._capture_prefill()
 
     # ------------------------------------------------------------------------------------ requests
@@ -587,17 +585,6 @@ class EagleProposer:
 
         self._prefill_graphs = StepGraphs(forward, self.device, self.cache.trash_slot, rows, PREFILL_ROW,
                                           sizes=prefill_capture_sizes(rows))
-
-    @on_own_device
-    def _warm_up_prefill(self) -> None:
-        """Compiles the eager head forward of new prompts (_prefill_overflow) at every width class now, on the
-        trash slot, so that no request waits on Triton mid-serving (engine.warm_up_widths)."""
-        one, F = torch.ones(1, dtype=torch.int32, device=self.device), self.head.config.feature_dim
-        for n in warm_up_widths(self.max_context):
-            self.head(torch.zeros(1, n, dtype=torch.int64, device=self.device),
-                      torch.zeros(1, n, F, dtype=self.head.dtype, device=self.device),
-                      0 * one, n * one, self.cache.trash_slot * one, self.cache.k[0], self.cache.v[0])
-        torch.cuda.synchronize()
 
     # ------------------------------------------------------------------------------------ branch tables
 

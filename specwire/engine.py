@@ -3,6 +3,7 @@ on, CUDA graphs for the decode and verify steps, and target-only `generate()` wi
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import functools
 import secrets
@@ -162,11 +163,16 @@ class PrefillRows:
         width, out = self.tokens.shape[1], []
         for first in range(0, len(self.slots), max_rows):
             last = min(first + max_rows, len(self.slots))
+            ends, cells = within(self.last_rows, first, last), within(self.cells, first * width, last * width)
             out.append(PrefillRows(
                 self.slots[first:last], self.starts[first:last], self.counts[first:last],
-                self.tokens[first:last], [r - first for r in self.last_rows if first <= r < last],
-                [c - first * width for c in self.cells if first * width <= c < last * width]))
+                self.tokens[first:last], [r - first for r in ends], [c - first * width for c in cells]))
         return out
+
+
+def within(rising: list[int], low: int, high: int) -> list[int]:
+    """The values of a rising list in [low, high), found by bisection."""
+    return rising[bisect.bisect_left(rising, low):bisect.bisect_left(rising, high)]
 
 
 def prefill_rows(requests: Sequence[tuple[int, Sequence[int]]], width: int,
@@ -358,9 +364,10 @@ class TargetEngine:
                 rows = prefill_graph_tokens // PREFILL_ROW
                 self.prefill_graphs = StepGraphs(forward, self.device, trash, rows, PREFILL_ROW, pool,
                                                  last_logits=True, sizes=prefill_capture_sizes(rows))
-            with device_scope(self.device):  # into slot 0: free, and a prefill rewrites it from 0
-                for n in warm_up_widths(max_context):
-                    self._prefill_chunk(prefill_rows([(0, [0] * n)], n), graph=False)
+            if self.prefill_graphs is None:  # prefills run eagerly: compile their kernels now
+                with device_scope(self.device):  # into slot 0: free, and a prefill rewrites it from 0
+                    for n in warm_up_widths(max_context):
+                        self._prefill_chunk(prefill_rows([(0, [0] * n)], n), graph=False)
 
     # ------------------------------------------------------------------------------------------ slots
 

@@ -1,6 +1,7 @@
 """(GPU) After start-up no prompt makes Triton compile: the engine and the drafter compile every kernel
-variant an eager prefill can pick while they start, so that no request (and no other request's stream)
-waits ~1 s on a compile mid-serving, as the H200 runs showed (bench/results/session16_h200x2)."""
+variant a prefill can pick while they start (capturing the prefill graphs, or warming up the eager widths
+where there are none), so that no request (and no other request's stream) waits ~1 s on a compile
+mid-serving, as the H200 runs showed (bench/results/session16_h200x2)."""
 
 import pytest
 import torch
@@ -38,7 +39,7 @@ def test_drafter_prompts_compile_nothing_after_start_up(tmp_path, arch):
     setup = Setup(tmp_path, arch, device="cuda", max_requests=8)
     assert setup.proposer.graphs
     before = compiled_variants()
-    for i, n in enumerate([3, 17, 33, 48, 64]):  # new prompts: eager prefill beyond the graph's width
+    for i, n in enumerate([3, 17, 33, 48, 64]):  # new prompts: by the prefill graph
         setup.add(f"r{i}", n)
     setup.proposer.propose([f"r{i}" for i in range(5)], [4] * 5, [0.0] * 5, [0] * 5)
     torch.cuda.synchronize()
