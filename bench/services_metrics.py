@@ -77,11 +77,13 @@ def round_split(delta: Delta, wall: float) -> dict[str, float | None]:
 
 
 def prefill_split(delta: Delta, wall: float) -> dict[str, float | None]:
-    """The verifier's prefill steps: how many, ms each (engine thread) and their share of the wall time."""
+    """The verifier's prefill steps: how many, ms each (engine thread) and their share of the wall time; and
+    the prompts verifications carried instead (`carried`)."""
     steps = delta.get("verifier", "specwire_prefill_step_seconds_count")
     total = delta.get("verifier", "specwire_prefill_step_seconds_sum")
     share = total / wall if total is not None and wall > 0 else None
-    return {"steps": steps, "ms": delta.mean_ms("verifier", "specwire_prefill_step_seconds"), "share": share}
+    return {"steps": steps, "ms": delta.mean_ms("verifier", "specwire_prefill_step_seconds"), "share": share,
+            "carried": delta.get("verifier", "specwire_prompts_carried_total")}
 
 
 def cache_hit_rate(delta: Delta) -> dict[str, float | None] | None:

@@ -124,6 +124,13 @@ def capture_sizes(max_batch: int) -> list[int]:
     return [*sizes, max_batch]
 
 
+def carrying_capture_sizes(max_batch: int, carry_rows: int) -> list[int]:
+    """Row counts with a verification graph when prompts ride verifications (carry_rows more rows than
+    requests): capture_sizes(max_batch), then every 16th row count above 16 up to max_batch + carry_rows. A
+    batch of 16 with a prompt of 160 tokens in rows of 5 is 48 rows: padded to 48, not to 64."""
+    return sorted({*capture_sizes(max_batch), *range(32, max_batch + carry_rows, 16), max_batch + carry_rows})
+
+
 def prefill_capture_sizes(max_rows: int) -> list[int]:
     """Row counts with a prefill graph: 1, 2, 4, 8, then every 4th up to max_rows. A prefill's forward is
     compute-bound, so every padded row costs what a live one does; powers of two would pad up to half."""
@@ -309,6 +316,8 @@ class TargetEngine:
         max_verify_tokens: int = 1,
         checkpoint: tuple[ModelConfig, dict[str, torch.Tensor]] | None = None,
         prefill_graph_tokens: int = PREFILL_GRAPH_TOKENS,
+        carry_rows: int = 0,
+        carry_width: int = 5,
     ):
         """max_context: cache positions per slot (default min(2048, max_position_embeddings)).
         max_verify_tokens: 1 + k, the widest verify row captured in CUDA graphs (1: decode graphs only).
@@ -318,12 +327,17 @@ class TargetEngine:
         work); a replay is one.
         model_path may name a synthetic model (`synthetic:NAME`, specwire.synthetic). checkpoint=(config,
         state_dict) uses those weights instead of loading model_path; such an engine has no tokenizer and
-        offers the step API only."""
+        offers the step API only.
+        carry_rows, carry_width: a verification may carry whole prompts (verify's `prompts`) cut into rows
+        of carry_width tokens, up to carry_rows rows beyond max_slots; graphs at least that wide are captured
+        at up to max_slots + carry_rows rows. 0: no verification carries prompts."""
         self.device, self.dtype = device_and_dtype(device, dtype)
         if max_slots < 1:
             raise ValueError(f"max_slots must be >= 1, got {max_slots}")
         if max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be >= 1, got {max_prefill_tokens}")
+        if carry_rows < 0 or (carry_rows and carry_width < 2):
+            raise ValueError(f"carry_rows must be >= 0 and carry_width >= 2, got {carry_rows}, {carry_width}")
         self.tokenizer: Tokenizer | None = None
         if checkpoint is None:
             config, state_dict, self.tokenizer, _ = load_model(model_path, self.device, self.dtype)
@@ -341,6 +355,7 @@ class TargetEngine:
         self.config = config
         self.max_context = max_context
         self.max_prefill_tokens = max_prefill_tokens
+        self.carry_rows, self.carry_width = carry_rows, carry_width
         self.aux_layers = tuple(aux_layers)
         self.model = LlamaModel(config, self.dtype, self.device, max_positions=max_context)
         self.model.load_weights(state_dict)
@@ -356,8 +371,11 @@ class TargetEngine:
                                   aux_layers=self.aux_layers)
 
             pool, trash = None, self.cache.trash_slot
-            for width in sorted({1, max_verify_tokens}):
-                graphs = StepGraphs(forward, self.device, trash, max_slots, width, pool)
+            widths = {1, max_verify_tokens, *([carry_width] if carry_rows else [])}
+            for width in sorted(widths):
+                carrying = carry_rows and width >= carry_width
+                sizes = carrying_capture_sizes(max_slots, carry_rows) if carrying else None
+                graphs = StepGraphs(forward, self.device, trash, max_slots, width, pool, sizes=sizes)
                 self.graphs.append(graphs)
                 pool = graphs.pool
             if prefill_graph_tokens >= PREFILL_ROW:
@@ -399,17 +417,20 @@ class TargetEngine:
         prompt token; hidden/aux: every prompt token, requests concatenated in order."""
         if not requests:
             raise ValueError("prefill needs at least one request")
-        lengths = [len(ids) for _, ids in requests]
-        for (slot, ids), n in zip(requests, lengths, strict=True):
-            if not 0 < n <= self.max_context:
-                raise ValueError(f"prompt of {n} tokens does not fit the context (1..{self.max_context})")
-            if not 0 <= slot < self.max_slots:
-                raise ValueError(f"slot {slot} out of range [0, {self.max_slots})")
-            self.check_token_ids(ids)
+        self._check_prompts(requests)
         grid = prefill_rows(requests, PREFILL_ROW)
         outs = [self._prefill_chunk(chunk) for chunk in grid.chunks(self.prefill_rows_per_forward)]
         return StepOutput(torch.cat([o.logits for o in outs]), torch.cat([o.hidden for o in outs]),
                           torch.cat([o.aux_hidden for o in outs]) if self.aux_layers else None)
+
+    def _check_prompts(self, requests: Sequence[tuple[int, Sequence[int]]]) -> None:
+        for slot, ids in requests:
+            if not 0 < len(ids) <= self.max_context:
+                raise ValueError(f"prompt of {len(ids)} tokens does not fit the context "
+                                 f"(1..{self.max_context})")
+            if not 0 <= slot < self.max_slots:
+                raise ValueError(f"slot {slot} out of range [0, {self.max_slots})")
+            self.check_token_ids(ids)
 
     @property
     def prefill_rows_per_forward(self) -> int:
@@ -456,18 +477,22 @@ class TargetEngine:
     @on_own_device
     def verify(
         self, slots: Sequence[int], token_lists: Sequence[Sequence[int]], start_positions: Sequence[int],
-        device_drafts: torch.Tensor | None = None,
+        device_drafts: torch.Tensor | None = None, prompts: Sequence[tuple[int, Sequence[int]]] = (),
     ) -> StepOutput:
         """Row b feeds token_lists[b] = [last token, d_1..d_k] at start_positions[b]...; returns logits,
         hidden and aux for every fed token, rows concatenated: [sum(1 + k_b), ...]. device_drafts: every
         row's drafts concatenated [sum k_b], on a device (this one or a drafter's), in place of
         token_lists[b][1:] (which then only give each row's length): drafts made on the device are fed
         without a wait for the host. They are the verifier's own drafter's, not checked against the
-        vocabulary."""
+        vocabulary.
+
+        prompts [(slot, token ids)]: whole prompts prefilled by the same forward, from position 0, in rows of
+        carry_width tokens after the verification's (one weight read for both: a lone prompt's prefill costs
+        a forward of its own). Their logits follow the verification's, one per prompt at its last token, and
+        their hidden and aux rows follow, every prompt token in order."""
         counts = [len(t) for t in token_lists]
         if not counts or min(counts) < 1:
             raise ValueError("verify needs at least one token per row")
-        width = max(counts)
         draft_cells = None
         if device_drafts is None:
             for tokens in token_lists:
@@ -478,28 +503,58 @@ class TargetEngine:
             if device_drafts.shape != (len(draft_cells),):
                 raise ValueError(f"device_drafts must be [{len(draft_cells)}], got "
                                  f"{list(device_drafts.shape)}")
-        ids = torch.tensor([[*tokens, *[0] * (width - len(tokens))] for tokens in token_lists])
+        carried = self._carried_rows(prompts)
+        width = max(counts + ([carried.tokens.shape[1]] if carried else []))
+        ids = np.zeros((len(counts) + len(carried.slots if carried else []), width), dtype=np.int64)
+        for b, tokens in enumerate(token_lists):
+            ids[b, :len(tokens)] = tokens
+        row_counts, row_slots, row_starts = counts, list(slots), list(start_positions)
+        if carried:
+            ids[len(counts):, :carried.tokens.shape[1]] = carried.tokens
+            row_counts, row_slots = counts + carried.counts, row_slots + carried.slots
+            row_starts = row_starts + carried.starts
         out = self._step(
-            self._step_input(slots, torch.int32),
-            ids,
-            torch.tensor(counts, dtype=torch.int32),
-            self._step_input(start_positions, torch.int32),
+            self._step_input(row_slots, torch.int32),
+            torch.from_numpy(ids),
+            torch.tensor(row_counts, dtype=torch.int32),
+            self._step_input(row_starts, torch.int32),
             None if draft_cells is None
             else (draft_cells, device_drafts.to(self.device, torch.int64, non_blocking=True)),
         )
         # Graph outputs have the captured grid's row stride; eager ones the batch's own. When every row is
-        # full the fed tokens lead the grid, and a slice (cloned: graph buffers are reused) picks them.
+        # full (and nothing is carried) the fed tokens lead the grid, and a slice (cloned: graph buffers are
+        # reused) picks them.
         stride, fed = out.hidden.shape[1], sum(counts)
-        index = None
-        if fed < len(counts) * stride:
-            index = torch.tensor([i * stride + j for i, n in enumerate(counts) for j in range(n)])
-            index = upload(index, self.device)
+        cells = [i * stride + j for i, n in enumerate(counts) for j in range(n)]
+        if carried:
+            base, w = len(counts) * stride, carried.tokens.shape[1]
+            to_grid = [base + (c // w) * stride + c % w for c in carried.cells]  # carried grid -> this grid
+            last = [base + r * stride + carried.counts[r] - 1 for r in carried.last_rows]
+            index = upload(torch.tensor(cells + last + cells + to_grid), self.device)  # one copy for both
+            logits_index, hidden_index = index[:fed + len(last)], index[fed + len(last):]
+        elif fed < len(counts) * stride:
+            logits_index = hidden_index = upload(torch.tensor(cells), self.device)
+        else:
+            logits_index = hidden_index = None
 
-        def pick(t: torch.Tensor) -> torch.Tensor:
+        def pick(t: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
             return t[:fed].clone() if index is None else t[index]
 
-        aux = pick(out.aux_hidden.flatten(0, 1)) if out.aux_hidden is not None else None
-        return StepOutput(pick(out.logits), pick(out.hidden.flatten(0, 1)), aux)
+        aux = pick(out.aux_hidden.flatten(0, 1), hidden_index) if out.aux_hidden is not None else None
+        return StepOutput(pick(out.logits, logits_index), pick(out.hidden.flatten(0, 1), hidden_index), aux)
+
+    def _carried_rows(self, prompts: Sequence[tuple[int, Sequence[int]]]) -> PrefillRows | None:
+        """Prompts a verification carries, checked and cut into rows of carry_width (None: none)."""
+        if not prompts:
+            return None
+        if not self.carry_rows:
+            raise ValueError("this engine carries no prompts in verifications (carry_rows=0)")
+        self._check_prompts(prompts)
+        return prefill_rows(prompts, self.carry_width)
+
+    def carried_rows(self, prompt_lengths: Sequence[int]) -> int:
+        """Rows prompts of these lengths take in a verification."""
+        return sum(-(-n // self.carry_width) for n in prompt_lengths)
 
     def _step(
         self, slots: torch.Tensor, tokens: torch.Tensor, num_tokens: torch.Tensor, positions: torch.Tensor,

@@ -139,6 +139,9 @@ class VerifierMetrics(_ServiceMetrics):
             ["position"],
         )
         self.prompt_tokens = c("prompt_tokens", "Prompt tokens prefilled.")
+        self.prompts_carried = c(
+            "prompts_carried",
+            "Prompts prefilled inside a verification's forward (--carry-rows) rather than by a prefill step.")
         self.generation_tokens = c("generation_tokens", "Tokens generated.")
         self.requests_finished = c(
             "requests_finished", "Finished requests by finish reason.", ["finish_reason"]

@@ -5,7 +5,10 @@ of an EAGLE-3 head), as a prefill of the request's final tokens computes them. M
 slots are reused; serial drafting (through DraftSteps, or queued on the device behind the sampler, where the
 features are gathered from the store by the device) and speculation-cache tables; on a GPU machine also with
 the drafter on another GPU than the target (the store's rows then cross devices). The random head's drafts
-are forced accepted at high rates (as the synthetic benchmarks do), so that rounds settle several tokens."""
+are forced accepted at high rates (as the synthetic benchmarks do), so that rounds settle several tokens.
+Prompts admitted while others decode are carried by a verification (--carry-rows), or prefilled on their
+own; the features travel as tensors, or (`bytes`) in the steps as over gRPC (the verifier then reads them
+back from its own table)."""
 
 import asyncio
 import functools
@@ -29,10 +32,12 @@ K, SLOTS, REQUESTS, MAX_TOKENS = 3, 3, 7, 30
 
 
 async def generate(engine: TargetEngine, link: LocalDrafterLink, cache_branches: int, queue_drafts: bool
-                   ) -> list[list[int]]:
+                   ) -> tuple[list[list[int]], float]:
+    """Each request's tokens, and how many prompts a verification carried."""
     # The synthetic tokenizer of the target's vocabulary: outputs are only compared as ids, and GPU runs need
     # no model staged for it.
-    scheduler = Scheduler(engine, synthetic_tokenizer(engine.config), VerifierMetrics(),
+    metrics = VerifierMetrics()
+    scheduler = Scheduler(engine, synthetic_tokenizer(engine.config), metrics,
                           SchedulerConfig(num_speculative_tokens=K, cache_branches=cache_branches,
                                           table_wait=5.0, just_in_time_wait=5.0,
                                           forced_acceptance=(0.9, 0.8, 0.7), queue_drafts=queue_drafts), link)
@@ -46,7 +51,8 @@ async def generate(engine: TargetEngine, link: LocalDrafterLink, cache_branches:
         for r in requests:
             while (await r.outputs.get()).finish_reason is None:
                 pass
-        return [r.tokens for r in requests]
+        carried = metrics.registry.get_sample_value("specwire_prompts_carried_total")
+        return [r.tokens for r in requests], carried
     finally:
         await scheduler.close()
 
@@ -58,17 +64,21 @@ def two_gpus():
 
 
 @pytest.mark.parametrize("devices", [("cpu", "cpu"), two_gpus()], ids=["cpu", "gpus"])
-@pytest.mark.parametrize("cache_branches, queue_drafts", [(0, False), (0, True), (4, False)],
-                         ids=["serial", "queued", "tables"])
+@pytest.mark.parametrize("cache_branches, queue_drafts, carry_rows, as_bytes", [
+    (0, False, 0, False), (0, True, 0, False), (4, False, 0, False),
+    (0, False, 16, False), (0, True, 16, False), (4, False, 16, False),
+    (0, False, 16, True), (4, False, 16, True),
+], ids=["serial", "queued", "tables", "serial_carried", "queued_carried", "tables_carried",
+        "serial_carried_bytes", "tables_carried_bytes"])
 def test_the_colocated_drafter_is_handed_the_target_features_of_every_token(cache_branches, queue_drafts,
-                                                                          devices):
+                                                                          carry_rows, as_bytes, devices):
     drafter_device, verifier_device = devices
     config, sd = tiny_target()
     head = random_eagle_head(config, sd, torch.float32, drafter_device, MAX_CONTEXT)
     assert head.config.feature_dim == 3 * config.hidden_size
     engine = TargetEngine(checkpoint=(config, sd), device=verifier_device, dtype=torch.float32,
                           max_slots=SLOTS, max_context=MAX_CONTEXT, aux_layers=head.config.aux_layers,
-                          max_verify_tokens=K + 1)
+                          max_verify_tokens=K + 1, carry_rows=carry_rows, carry_width=K + 1)
     proposer = EagleProposer(head, max_requests=SLOTS, max_context=MAX_CONTEXT, max_drafts=K, max_top_k=8,
                              max_branches=cache_branches)
     handed = defaultdict(list)  # drafter key -> the features of each add/update, in order
@@ -93,12 +103,14 @@ def test_the_colocated_drafter_is_handed_the_target_features_of_every_token(cach
     service = DrafterService(DrafterMetrics())
     service.load(proposer, config, synthetic_tokenizer(config).fingerprint, "eagle3:random")
     owned = set()
+    on_device = not as_bytes  # bytes: no feature device, so steps carry the features as over gRPC
     link = LocalDrafterLink(functools.partial(service.run_step, 0, owned), service.info, service.mismatch,
-                            VerifierMetrics(), proposer.device, step_timeout=5.0,
-                            queue=functools.partial(service.queue_drafts, 0),
-                            take=functools.partial(service.take_drafts, owned))
-    outputs = asyncio.run(generate(engine, link, cache_branches, queue_drafts))
+                            VerifierMetrics(), proposer.device if on_device else None, step_timeout=5.0,
+                            queue=functools.partial(service.queue_drafts, 0) if on_device else None,
+                            take=functools.partial(service.take_drafts, owned) if on_device else None)
+    outputs, carried = asyncio.run(generate(engine, link, cache_branches, queue_drafts))
     assert bool(queued) == queue_drafts
+    assert (carried > 0) == (carry_rows > 0)
 
     reference = TargetEngine(checkpoint=(config, sd), device=verifier_device, dtype=torch.float32,
                              max_slots=1, max_context=MAX_CONTEXT, aux_layers=head.config.aux_layers)

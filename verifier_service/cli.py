@@ -81,6 +81,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="while requests decode, how long a new request may wait for more to share its "
                              "prefill step (default 0: prefilled at once; never once the waiting fill the "
                              "free slots)")
+    parser.add_argument("--carry-rows", type=int, default=env("SPECWIRE_CARRY_ROWS", 64),
+                        help="while requests decode, a new request's prompt rides the next verification's "
+                             "forward in rows of --carry-width tokens, up to this many rows beyond the batch "
+                             "(default 64; CUDA graphs are captured for them); 0: every admission is a "
+                             "prefill step of its own, which pauses every stream")
+    parser.add_argument("--carry-width", type=int, default=env("SPECWIRE_CARRY_WIDTH", 5),
+                        help="tokens a carried prompt's row feeds (default 5, the verification width of the "
+                             "default --k; at least 2)")
     parser.add_argument("--aux-layers", default=env("SPECWIRE_AUX_LAYERS", "eagle3"),
                         help="target layers whose input EAGLE-3 heads read: comma-separated, 'eagle3' "
                              "(2, L/2, L-3) or 'none' (default eagle3)")
@@ -132,7 +140,8 @@ def load_engine(args: argparse.Namespace):
     aux = parse_aux_layers(args.aux_layers, config.num_layers) if speculating else ()
     engine = TargetEngine(device=device, dtype=dtype, max_slots=args.max_slots,
                           max_context=args.max_context, cuda_graphs=not args.no_cuda_graphs, aux_layers=aux,
-                          max_verify_tokens=args.k + 1, checkpoint=(config, state_dict))
+                          max_verify_tokens=args.k + 1, checkpoint=(config, state_dict),
+                          carry_rows=args.carry_rows, carry_width=args.carry_width)
     return engine, tokenizer, name
 
 
@@ -162,6 +171,9 @@ async def serve(args: argparse.Namespace) -> None:
         raise ValueError(f"--stream-interval must be >= 1, got {args.stream_interval}")
     if not 0 <= args.admit_wait_ms <= 10_000:
         raise ValueError(f"--admit-wait-ms must be in [0, 10000], got {args.admit_wait_ms}")
+    if not 0 <= args.carry_rows <= 1024 or not 2 <= args.carry_width <= 64:
+        raise ValueError(f"--carry-rows must be in [0, 1024] and --carry-width in [2, 64], got "
+                         f"{args.carry_rows} and {args.carry_width}")
     if args.forced_hit_rate is not None and not 0 <= args.forced_hit_rate <= 1:
         raise ValueError(f"--forced-hit-rate must be in [0, 1], got {args.forced_hit_rate}")
     forced = None

@@ -232,6 +232,8 @@ class _Step:
     feature_dtype: torch.dtype | None = None
     queued: list[int] = field(default_factory=list)  # rows whose next drafts were queued behind the sampler
     wants: list[Want] = field(default_factory=list)  # and what was asked for each
+    # Requests whose prompts the verification carried: their first tokens and features follow the rows'.
+    carried: list[Request] = field(default_factory=list)
 
 
 class _Launch(NamedTuple):
@@ -242,6 +244,7 @@ class _Launch(NamedTuple):
     sampled: SampleOutput
     queued: list[int]  # rows whose next drafts are queued behind the sampler
     wants: list[Want]  # and what was asked for each
+    carried: list[Request]  # requests whose prompts the forward prefilled
 
 
 class Scheduler:
@@ -274,6 +277,9 @@ class Scheduler:
         self._drafting = DraftingMode(config.drafting_epoch) if config.drafting_epoch > 0 else None
         self._unfinished: deque[tuple] = deque()  # verified rounds whose tokens are not streamed yet
         self._admit_at = 0.0  # when the waiting requests are due for prefill (config.admit_wait)
+        # Admitted requests whose prompts the next verification carries (engine.carry_rows): taken by its
+        # launch, on whichever thread launches it.
+        self._carrying: list[Request] = []
         self._forcing = random.Random(0)  # forced_hit_rate's draws
         self._feature_columns: np.ndarray | slice | None = None
         self._feature_dtype = torch.float32
@@ -375,11 +381,15 @@ class Scheduler:
                     self._send_step([], "serial")
                 await self._wake.wait()
                 continue
+            carried = []
             if self._admit_due():
-                self._finish_rounds()
-                await self._guarded(self._prefill, self._admit())
+                carried = self._admit_carried()
+                if not carried:
+                    self._finish_rounds()
+                    await self._guarded(self._prefill, self._admit())
             if self.running:
-                await self._guarded(self._round, list(self.running))
+                group = list(self.running)
+                await self._guarded(self._round, group + carried, len(group))
 
     async def _guarded(self, step, requests: list[Request], *args) -> None:
         """Runs one step; a fault (a kernel error, a bug) fails these requests, never the server."""
@@ -410,6 +420,24 @@ class Scheduler:
             admitted.append(r)
         return admitted
 
+    def _admit_carried(self) -> list[Request]:
+        """Waiting requests whose prompts ride the running batch's next verification (a prefill forward of
+        their own would read every weight once more and pause every stream): as many as fit the rows the
+        engine's graphs hold beyond the batch. None when nothing decodes or the first does not fit."""
+        engine = self.engine
+        if not (engine.carry_rows and self.running):
+            return []
+        admitted, room = [], engine.max_slots + engine.carry_rows - len(self.running)
+        while self.waiting and engine.num_free_slots:
+            rows = engine.carried_rows([len(self.waiting[0].prompt)])
+            if rows > room:
+                break
+            r = self.waiting.popleft()
+            r.slot = engine.allocate_slot()
+            room -= rows
+            admitted.append(r)
+        return admitted
+
     def _reap(self) -> None:
         """Frees requests that finished or were aborted: slot, drafter state, the stream's last message."""
         for r in [r for r in self.waiting if not r.live]:
@@ -437,8 +465,10 @@ class Scheduler:
     async def _compute(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._worker, fn, *args)
 
-    async def _prefill(self, admitted: list[Request]) -> None:
-        self.running += admitted
+    async def _prefill(self, admitted: list[Request], held: bool = False) -> None:
+        """held: the requests are in self.running already."""
+        if not held:
+            self.running += admitted
         step = await self._compute(self._prefill_on_worker, admitted)
         for r, tokens in zip(admitted, step.tokens, strict=True):
             if step.features is not None:
@@ -452,7 +482,19 @@ class Scheduler:
         """Drafts come from speculation-cache tables (the drafter offers them and they are enabled)."""
         return self.speculating and self.config.cache_branches > 0 and self.link.info.max_branches > 0
 
-    async def _round(self, group: list[Request]) -> None:
+    async def _round(self, requests: list[Request], num_running: int) -> None:
+        """One verification of the running requests (the first num_running), carrying the prompts of the
+        rest (_admit_carried), which join the batch."""
+        group, self._carrying = requests[:num_running], requests[num_running:]
+        self.running += self._carrying  # they hold slots: reaped like the others, whatever happens
+        try:
+            await self._verification_round(group)
+        finally:
+            left, self._carrying = self._carrying, []
+        if left:  # no verification was launched (every running request ended first)
+            await self._prefill(left, held=True)
+
+    async def _verification_round(self, group: list[Request]) -> None:
         """One verification of the whole batch, with its drafts; then the new tokens are settled."""
         live = [r for r in group if r.live]
         if not live:
@@ -495,8 +537,8 @@ class Scheduler:
         finally:  # whatever happened, the drafter takes no other step before the drafts queued on it
             queued = self._take_queued_drafts(live, step)
         round_trace.mark("v.settled")
-        if self.speculating and not caching:
-            rest = [r for r in live if r.live and r.id not in queued]
+        if self.speculating and not caching:  # carried prompts go to the drafter with the others
+            rest = [r for r in [*live, *step.carried] if r.live and r.id not in queued]
             if rest or self._frees:
                 self._in_flight = self._send_step(rest, "serial")
         elif caching:
@@ -565,7 +607,15 @@ class Scheduler:
                     self.metrics.cache["unasked"].inc()
         for i in step.queued:  # the drafter took this round's tokens on the device
             live[i].drafter_len = len(live[i].tokens)
-        self._unfinished.append((live, num_drafts, step.tokens, settled))
+        for j, r in enumerate(step.carried, start=len(live)):  # as _prefill leaves them
+            if step.features is not None:
+                r.features = FeatureRows(step.features[j], step.feature_dtype)
+            self.metrics.prompt_tokens.inc(len(r.prompt))
+            if r.live:
+                settled.append((r, self._settle(r, step.tokens[j])))
+        self.metrics.prompts_carried.inc(len(step.carried))
+        tokens = step.tokens[:len(live)]
+        self._unfinished.append((live, num_drafts, tokens, settled))
 
     async def _decode(self, live: list[Request]) -> None:
         """Rounds without drafts, run back to back by the worker (_decode_on_worker)."""
@@ -580,9 +630,10 @@ class Scheduler:
         none = BatchDrafts([[] for _ in live], None)
         while True:
             self._count_if_down()
-            self._settle_round(live, none.num_drafts, self._verify_on_worker(live, none, on_launch))
+            step = self._verify_on_worker(live, none, on_launch)
+            self._settle_round(live, none.num_drafts, step)
             # What this thread reads of the loop's state (flags, lists) is written whole, under the GIL.
-            if self._wake.is_set() or self.speculating or not all(r.live for r in live):
+            if self._wake.is_set() or self.speculating or not all(r.live for r in live) or step.carried:
                 return
             if self._admit_due():  # an admit_wait ran out
                 return
@@ -899,29 +950,37 @@ class Scheduler:
         # Queued behind whatever this verification waits for on the stream (drafts queued behind the last
         # sampler, their copy from the drafter's GPU): the span is the verification's own device time.
         self._verify_span.begin()
+        carry, self._carrying = self._carrying, []
         slots = [r.slot for r in live]
         starts = [len(r.tokens) - 1 for r in live]
-        if any(batch.num_drafts):
+        if any(batch.num_drafts) or carry:
             rows = [[r.tokens[-1], *d] for r, d in zip(live, batch.token_ids, strict=True)]
-            out = self.engine.verify(slots, rows, starts, batch.on_device)
+            prompts = [(r.slot, r.prompt) for r in carry]
+            out = self.engine.verify(slots, rows, starts, batch.on_device, prompts)
             width = max(len(row) for row in rows)
+            if carry:
+                width = max(width, self.engine.carry_width)
         else:
             out = self.engine.decode(slots, [r.tokens[-1] for r in live], starts)
             width = 1
-        mode = "eager" if self.engine.graphs_for(len(live), width) is None else "cuda_graph"
+        fed_rows = len(live) + self.engine.carried_rows([len(r.prompt) for r in carry])
+        mode = "eager" if self.engine.graphs_for(fed_rows, width) is None else "cuda_graph"
         self.metrics.forward_steps_by_mode[mode].inc()
         # Every fed row's features start towards the drafter now, overlapping the sampler: into the store
         # (rows of rejected drafts are rewritten next round), or to the host, where the settled rows are
         # picked once the sampler has said how many there are.
         if self._store is not None:
-            fed = list(zip(live, starts, batch.num_drafts, strict=True))
+            fed = [*zip(live, starts, batch.num_drafts, strict=True),
+                   *((r, 0, len(r.prompt) - 1) for r in carry)]  # a prompt: as a row of len - 1 drafts
             self._store.write(self._feature_table(out.hidden, out.aux_hidden),
                               [r.slot for r, _, k in fed for _ in range(k + 1)],
                               [start + j for _, start, k in fed for j in range(k + 1)])
         elif self.link is not None:
             self._readback.start(self._feature_table(out.hidden, out.aux_hidden))
         round_trace.mark("v.forward_queued")
-        sampled = self._sample(out.logits, live, batch)
+        if carry:  # each carried prompt's last token is sampled as a row without drafts
+            batch = BatchDrafts([*batch.token_ids, *([] for _ in carry)], batch.probs, batch.on_device)
+        sampled = self._sample(out.logits, [*live, *carry], batch)
         self._verify_span.end()
         round_trace.mark("v.sampler_queued")
         queue, wants = list(queue), [self._want_for(live[i], self._num_drafts(live[i])) for i in queue]
@@ -937,7 +996,7 @@ class Scheduler:
             queue, wants = [], []
         self.metrics.queued_drafts.inc(len(queue))
         round_trace.mark("v.drafts_queued")
-        return _Launch(started, batch.num_drafts, sampled, queue, wants)
+        return _Launch(started, batch.num_drafts, sampled, queue, wants, carry)
 
     @torch.inference_mode()
     def _collect_verification(self, launch: _Launch) -> _Step:
@@ -955,15 +1014,19 @@ class Scheduler:
             # _round copies them into each request's FeatureRows before the next verification reuses it.
             table = self._readback.wait()
             rows, features, first, dtype = as_numpy(table), [], 0, table.dtype
-            for drafted, settled in zip(launch.num_drafts, tokens, strict=True):
+            settling = len(launch.num_drafts) - len(launch.carried)
+            for drafted, settled in zip(launch.num_drafts[:settling], tokens[:settling], strict=True):
                 features.append(rows[first:first + len(settled)])
                 first += drafted + 1
+            for r in launch.carried:  # a carried prompt's rows: every token's
+                features.append(rows[first:first + len(r.prompt)])
+                first += len(r.prompt)
         self.metrics.verify_step_time.observe(time.perf_counter() - launch.started)
         if (gpu_seconds := self._verify_span.seconds()) is not None:  # done: the tokens came after it
             self.metrics.verify_gpu_time.observe(gpu_seconds)
         self._profiler.step()
         round_trace.mark("v.verify_end")
-        return _Step(tokens, features, dtype, launch.queued, launch.wants)
+        return _Step(tokens, features, dtype, launch.queued, launch.wants, launch.carried)
 
     def _sample(self, logits: torch.Tensor, requests: list[Request], batch: BatchDrafts) -> SampleOutput:
         def column(values: list, dtype: type) -> np.ndarray:  # numpy: no torch call per column
