@@ -134,3 +134,39 @@ def test_carried_prompts_give_the_output_of_prefill_steps(speculative, temperatu
     assert carried["prompt_tokens_total"] == prefilled["prompt_tokens_total"]
     # The drafter was told of carried requests as of prefilled ones: every request verified drafts.
     assert all(drafted) if speculative else not any(drafted)
+
+
+async def arrivals(bursts: list[list[int]]) -> dict:
+    """One long request decoding (target-only, 4 slots, 8 carry rows of 5: 11 rows of room beside it),
+    then each burst's prompts (their lengths) submitted together once the last burst has finished."""
+    config, sd = tiny_target()
+    engine = TargetEngine(checkpoint=(config, sd), device="cpu", dtype=torch.float32, max_slots=4,
+                          max_context=MAX_CONTEXT, carry_rows=8, carry_width=5)
+    metrics = VerifierMetrics()
+    scheduler = Scheduler(engine, synthetic_tokenizer(config), metrics,
+                          SchedulerConfig(num_speculative_tokens=0))
+    scheduler.start()
+    try:
+        params = SamplingParams(max_tokens=MAX_CONTEXT - 10, ignore_eos=True)
+        long = scheduler.submit([5, 6, 7], params, "long")
+        await long.outputs.get()  # decoding now
+        for i, burst in enumerate(bursts):
+            requests = [scheduler.submit([9] * n, SamplingParams(max_tokens=4, ignore_eos=True), f"{i}.{j}")
+                        for j, n in enumerate(burst)]
+            for r in requests:
+                while (await r.outputs.get()).finish_reason is None:
+                    pass
+        assert long.live  # every burst came while it decoded
+        return {name: metrics.registry.get_sample_value(f"specwire_{name}")
+                for name in ("prompts_carried_total", "prefill_step_seconds_count")}
+    finally:
+        await scheduler.close()
+
+
+def test_a_burst_that_does_not_fit_is_prefilled_together():
+    """Prompts of 20 tokens take 4 rows: one or two fit beside the long request and ride verifications;
+    three (12 rows) share one prefill step rather than riding in turn."""
+    assert asyncio.run(arrivals([[20], [20, 20]])) == {"prompts_carried_total": 3.0,
+                                                        "prefill_step_seconds_count": 1.0}
+    assert asyncio.run(arrivals([[20, 20, 20]])) == {"prompts_carried_total": 0.0,
+                                                     "prefill_step_seconds_count": 2.0}

@@ -27,6 +27,7 @@ step re-sends the whole request as NewRequest and the drafter rebuilds its cache
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import random
 import secrets
@@ -421,22 +422,22 @@ class Scheduler:
         return admitted
 
     def _admit_carried(self) -> list[Request]:
-        """Waiting requests whose prompts ride the running batch's next verification (a prefill forward of
-        their own would read every weight once more and pause every stream): as many as fit the rows the
-        engine's graphs hold beyond the batch. None when nothing decodes or the first does not fit."""
+        """The waiting requests, admitted, when their prompts can ride the running batch's next verification
+        (a prefill forward of their own would read every weight once more and pause every stream): when all
+        that the free slots take fit the rows the engine's graphs hold beyond the batch. Else none: a prefill
+        step takes many prompts at little more than the price of one (a burst of arrivals), where carrying
+        them would take a round each."""
         engine = self.engine
         if not (engine.carry_rows and self.running):
             return []
-        admitted, room = [], engine.max_slots + engine.carry_rows - len(self.running)
-        while self.waiting and engine.num_free_slots:
-            rows = engine.carried_rows([len(self.waiting[0].prompt)])
-            if rows > room:
-                break
-            r = self.waiting.popleft()
+        due = list(itertools.islice(self.waiting, engine.num_free_slots))
+        if engine.carried_rows([len(r.prompt) for r in due]) > (
+                engine.max_slots + engine.carry_rows - len(self.running)):
+            return []
+        for r in due:
+            self.waiting.popleft()
             r.slot = engine.allocate_slot()
-            room -= rows
-            admitted.append(r)
-        return admitted
+        return due
 
     def _reap(self) -> None:
         """Frees requests that finished or were aborted: slot, drafter state, the stream's last message."""
