@@ -81,11 +81,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="while requests decode, how long a new request may wait for more to share its "
                              "prefill step (default 0: prefilled at once; never once the waiting fill the "
                              "free slots)")
-    parser.add_argument("--carry-rows", type=int, default=env("SPECWIRE_CARRY_ROWS", 64),
+    parser.add_argument("--carry-rows", type=int, default=env("SPECWIRE_CARRY_ROWS", 0),
                         help="while requests decode, a new request's prompt rides the next verification's "
                              "forward in rows of --carry-width tokens, up to this many rows beyond the batch "
-                             "(default 64; CUDA graphs are captured for them); 0: every admission is a "
-                             "prefill step of its own, which pauses every stream")
+                             "(CUDA graphs are captured for them) instead of a prefill step of its own, "
+                             "which pauses every stream. Faster under steady load; in bf16 a carried "
+                             "prompt's numerics differ from a prefill's, so greedy output then depends on "
+                             "the load (default 0: off; 64 is a good value)")
     parser.add_argument("--carry-width", type=int, default=env("SPECWIRE_CARRY_WIDTH", 5),
                         help="tokens a carried prompt's row feeds (default 5, the verification width of the "
                              "default --k; at least 2)")
