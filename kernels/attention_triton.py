@@ -6,7 +6,6 @@ reads keys 0 .. start_pos + (its last live token) only; the bound comes from dev
 so the launch is CUDA-graph safe (grid depends on shapes only, no host sync).
 """
 
-import functools
 import math
 
 import torch
@@ -72,38 +71,17 @@ def _attention_kernel(
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=(m < T * GROUP)[:, None])
 
 
-@functools.cache
-def _device_limits(device: torch.device) -> tuple[int, int]:
-    """(SM count, shared memory per block); Hopper-like defaults for the CPU interpreter."""
-    if device.type != "cuda":
-        return 132, 227 * 1024
-    props = torch.cuda.get_device_properties(device)
-    return props.multi_processor_count, props.shared_memory_per_block_optin
-
-
-def _launch_config(device: torch.device, batch: int, num_kv_heads: int, m_rows: int, head_dim: int,
-                   elem_bytes: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages), tuned on an H200.
-
-    Decode/verify: few programs (batch x kv heads) each walk the whole context, so long key blocks with deep
-    pipelining win (as far as the K and V tiles fit in shared memory), unless the grid already fills the GPU
-    twice over. Prefill: FA2-like tiles.
-    """
+def _launch_config(head_dim: int, elem_bytes: int, m_rows: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages). One arithmetic for every forward: tiles of 64 query rows per
+    4 warps (a prefill's 128 rows per 8 warps are two such halves) and one key-block length, so that a query
+    row's result does not depend on how many rows share its launch. A prompt carried by a verification in rows
+    of 5 (engine carry_rows) then gets the keys and values its prefill would, bit for bit in bf16, and greedy
+    output does not depend on when a request arrived. Smaller tiles for decode rows ran another MMA path,
+    about one bf16 step away (bench/results/session26/; the 8B verify step there was 2% faster)."""
+    block_n = 64 if head_dim * elem_bytes > 128 else 128
     if m_rows > 64:
-        return 128, 64 if head_dim * elem_bytes > 128 else 128, 8, 2
-    block_m = max(16, triton.next_power_of_2(m_rows))
-    num_sms, shared_memory = _device_limits(device)
-    if batch * num_kv_heads > 2 * num_sms:
-        return block_m, 64, 2, 2
-    budget = shared_memory - block_m * head_dim * elem_bytes - 8 * 1024  # room for the q tile and scratch
-
-    def kv_tiles(block_n: int, stages: int) -> int:
-        return stages * 2 * block_n * head_dim * elem_bytes
-
-    block_n = 128
-    while block_n > 16 and kv_tiles(block_n, 2) > budget:
-        block_n //= 2
-    return block_m, block_n, 4, 3 if kv_tiles(block_n, 3) <= budget else 2
+        return 128, block_n, 8, 2
+    return 64, block_n, 4, 2
 
 
 def attention(
@@ -120,8 +98,7 @@ def attention(
         raise ValueError("q and the cache layers need a contiguous last dim; k and v caches equal strides")
     group = num_q_heads // num_kv_heads
     out = torch.empty(B, T, num_q_heads, head_dim, dtype=q.dtype, device=q.device)
-    block_m, block_n, num_warps, num_stages = _launch_config(
-        q.device, B, num_kv_heads, T * group, head_dim, k_cache_l.element_size())
+    block_m, block_n, num_warps, num_stages = _launch_config(head_dim, k_cache_l.element_size(), T * group)
     grid = (B, num_kv_heads, triton.cdiv(T * group, block_m))
     if out.numel() == 0:
         return out

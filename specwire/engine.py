@@ -109,9 +109,9 @@ class GenerationResult:
 
 
 def warm_up_widths(max_context: int) -> list[int]:
-    """Eager forward widths that compile every kernel variant a step can pick (attention's tile size follows
-    the width up to 128 tokens; the width itself is not specialised), run once at start-up so that no request
-    waits on Triton mid-serving: 1, 2, 4, ..., 128 tokens, within the context."""
+    """Eager forward widths that compile every kernel variant a step can pick (attention has one tile for up
+    to 64 query rows and one for more; the width itself is not specialised), run once at start-up so that no
+    request waits on Triton mid-serving: 1, 2, 4, ..., 128 tokens, within the context."""
     return [n for n in (2**i for i in range(8)) if n <= max_context]
 
 

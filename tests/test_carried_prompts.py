@@ -71,6 +71,27 @@ def test_a_carried_prompt_is_its_prefill_in_cuda_graphs():
     check_carried_forward("cuda", cuda_graphs=True)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_carried_prompt_is_its_prefill_bit_for_bit_in_bf16():
+    """What keeps greedy output independent of when a request arrived: in bf16 a prompt carried in rows of 5
+    gets exactly the keys, values and last logits its prefill (rows of 64) gets. Attention tiles that depend
+    on the rows a launch holds broke this by about one bf16 step (bench/results/session26/)."""
+    carrier, reference = (TargetEngine(device="cuda", dtype=torch.bfloat16, max_slots=5, max_context=256,
+                                       checkpoint=tiny_checkpoint(), max_verify_tokens=4, carry_rows=carry,
+                                       carry_width=5) for carry in (32, 0))
+    prompts = list(zip([4, 1, 2], random_prompts([1, 12, 137], seed=6), strict=True))
+    for engine in (carrier, reference):
+        engine.prefill([(3, [5, 6, 7])])
+    out = carrier.verify([3], [[8, 9, 10, 11]], [3], prompts=prompts)
+    alone = reference.prefill(prompts)
+    assert torch.equal(out.logits[4:], alone.logits)
+    for slot, prompt in prompts:
+        for cache in ("k", "v"):
+            got, want = (getattr(e.cache, cache)[:, slot, :, :len(prompt)] for e in (carrier, reference))
+            assert torch.equal(got, want), (slot, cache)
+
+
 def test_an_engine_without_carry_rows_refuses_prompts():
     engine = TargetEngine(device="cpu", dtype=torch.float32, max_slots=2, max_context=64,
                           checkpoint=tiny_checkpoint(), cuda_graphs=False)
