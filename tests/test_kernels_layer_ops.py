@@ -260,6 +260,17 @@ def test_triton_cpu_attention_reads_no_key_beyond_the_valid_length():
 
 
 
+@pytest.mark.parametrize("head_dim, elem_bytes", [(64, 2), (128, 2), (64, 4), (128, 4)])
+def test_attention_tiles_do_not_depend_on_the_rows_a_launch_holds(head_dim, elem_bytes):
+    """A query row's arithmetic must not depend on how many rows share its launch (decode, verify, prefill,
+    a prompt carried by a verification): one key-block length, and 16 query rows per warp in every tile (a
+    prefill's 128-row tile is two of the 64-row ones). On a GPU, test_carried_prompts checks the bits."""
+    configs = {attention_triton._launch_config(head_dim, elem_bytes, m) for m in range(1, 600)}
+    assert len({block_n for _, block_n, _, _ in configs}) == 1
+    assert {block_m // warps for block_m, _, warps, _ in configs} == {16}
+    assert {block_m for block_m, _, _, _ in configs} == {64, 128}
+
+
 # ------------------------------------------------------------------ Triton kernels on CUDA, real shapes
 
 GPU_SHAPES = {  # name: (hidden, intermediate, Hq, Hkv, D)
