@@ -58,11 +58,13 @@ def test_round_split_cache_and_bytes_from_two_scrapes():
     assert cache == pytest.approx({"hit": 75, "miss": 25, "late": None, "unasked": None, "hit_rate": 0.75})
     assert cache_hit_rate(Delta(before, before)) is None
     assert wire_bytes_per_step(delta) == {"sent": 50.0, "received": None}
-    assert prefill_split(delta, wall=0.5) == {"steps": None, "ms": None, "share": None}  # no prefill metric
+    assert prefill_split(delta, wall=0.5) == {"steps": None, "ms": None, "share": None,  # no prefill metric
+                                              "carried": None}
     prefill = "specwire_prefill_step_seconds"
-    after["verifier"] |= {f"{prefill}_count": 4.0, f"{prefill}_sum": 0.02}
+    after["verifier"] |= {f"{prefill}_count": 4.0, f"{prefill}_sum": 0.02,
+                          "specwire_prompts_carried_total": 3.0}
     got = prefill_split(Delta(before, after), wall=0.5)
-    assert got == pytest.approx({"steps": 4, "ms": 5.0, "share": 0.04})
+    assert got == pytest.approx({"steps": 4, "ms": 5.0, "share": 0.04, "carried": 3})
 
 
 def test_greedy_outputs_are_compared_and_each_mismatch_located():
