@@ -225,7 +225,7 @@ class StepGraphs:
 
     def __init__(self, forward: StepForward, device: torch.device, trash_slot: int, max_batch: int,
                  width: int, pool=None, last_logits: bool = False, sizes: list[int] | None = None):
-        """sizes: the batch sizes captured, the largest max_batch (default capture_sizes(max_batch))."""
+        """sizes: the batch sizes to capture (default capture_sizes(max_batch))."""
         self.sizes, self.width, self.last_logits = sizes or capture_sizes(max_batch), width, last_logits
         self.trash = trash_slot
         n = self.sizes[-1]
@@ -364,6 +364,7 @@ class TargetEngine:
         self.max_slots = max_slots
         self._free_slots = list(range(max_slots - 1, -1, -1))  # pop() hands out slot 0 first
         self.graphs: list[StepGraphs] = []  # narrowest first: a step replays the first that fits
+        self.step_replayed_graph = False  # whether the last decode/verify step was a graph replay
         self.prefill_graphs: StepGraphs | None = None
         if cuda_graphs and self.device.type == "cuda":
             def forward(ids, start_pos, num_tokens, slots, logits_index) -> ModelOutput:
@@ -503,7 +504,7 @@ class TargetEngine:
             if device_drafts.shape != (len(draft_cells),):
                 raise ValueError(f"device_drafts must be [{len(draft_cells)}], got "
                                  f"{list(device_drafts.shape)}")
-        carried = self._carried_rows(prompts)
+        carried = self._carried_grid(prompts)
         width = max(counts + ([carried.tokens.shape[1]] if carried else []))
         ids = np.zeros((len(counts) + len(carried.slots if carried else []), width), dtype=np.int64)
         for b, tokens in enumerate(token_lists):
@@ -545,7 +546,7 @@ class TargetEngine:
         aux = pick(out.aux_hidden.flatten(0, 1), hidden_index) if out.aux_hidden is not None else None
         return StepOutput(pick(out.logits, logits_index), pick(out.hidden.flatten(0, 1), hidden_index), aux)
 
-    def _carried_rows(self, prompts: Sequence[tuple[int, Sequence[int]]]) -> PrefillRows | None:
+    def _carried_grid(self, prompts: Sequence[tuple[int, Sequence[int]]]) -> PrefillRows | None:
         """Prompts a verification carries, checked and cut into rows of carry_width (None: none)."""
         if not prompts:
             return None
@@ -554,9 +555,11 @@ class TargetEngine:
         self._check_prompts(prompts)
         return prefill_rows(prompts, self.carry_width)
 
-    def carried_rows(self, prompt_lengths: Sequence[int]) -> int:
-        """Rows prompts of these lengths take in a verification."""
-        return sum(-(-n // self.carry_width) for n in prompt_lengths)
+    def carry_fits(self, prompt_lengths: Sequence[int], batch: int) -> bool:
+        """Whether prompts of these lengths, cut into rows of carry_width, fit beside a verification of
+        `batch` rows in the largest graph (carrying_capture_sizes)."""
+        rows = sum(-(-n // self.carry_width) for n in prompt_lengths)
+        return rows <= self.max_slots + self.carry_rows - batch
 
     def _step(
         self, slots: torch.Tensor, tokens: torch.Tensor, num_tokens: torch.Tensor, positions: torch.Tensor,
@@ -566,6 +569,7 @@ class TargetEngine:
         best on the host: a graph sends them over in one copy, the eager path moves them. on_device:
         ((row, column) cells of `tokens`, values on the device) written over those cells once moved."""
         graphs = self.graphs_for(*tokens.shape)
+        self.step_replayed_graph = graphs is not None
         if graphs is not None:
             size = graphs.prepare(slots, tokens, num_tokens, positions)
             if on_device is not None:  # queued behind prepare's copy of the host's ids

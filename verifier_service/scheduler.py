@@ -419,6 +419,7 @@ class Scheduler:
             r.slot = self.engine.allocate_slot()
             budget -= len(r.prompt)
             admitted.append(r)
+        self.running += admitted  # they hold slots: reaped like the others, whatever happens
         return admitted
 
     def _admit_carried(self) -> list[Request]:
@@ -431,8 +432,7 @@ class Scheduler:
         if not (engine.carry_rows and self.running):
             return []
         due = list(itertools.islice(self.waiting, engine.num_free_slots))
-        if engine.carried_rows([len(r.prompt) for r in due]) > (
-                engine.max_slots + engine.carry_rows - len(self.running)):
+        if not engine.carry_fits([len(r.prompt) for r in due], len(self.running)):
             return []
         for r in due:
             self.waiting.popleft()
@@ -466,17 +466,20 @@ class Scheduler:
     async def _compute(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._worker, fn, *args)
 
-    async def _prefill(self, admitted: list[Request], held: bool = False) -> None:
-        """held: the requests are in self.running already."""
-        if not held:
-            self.running += admitted
+    async def _prefill(self, admitted: list[Request]) -> None:
+        """Prefills requests admitted into self.running, and streams their first tokens."""
         step = await self._compute(self._prefill_on_worker, admitted)
-        for r, tokens in zip(admitted, step.tokens, strict=True):
-            if step.features is not None:
-                r.features = FeatureRows(step.features.pop(0), step.feature_dtype)
-            self.metrics.prompt_tokens.inc(len(r.prompt))
+        for i, (r, tokens) in enumerate(zip(admitted, step.tokens, strict=True)):
+            self._prefilled(r, step, i)
             if r.live:  # as in _verify: an abort that came in during the step wins
                 self._emit(r, tokens)
+
+    def _prefilled(self, r: Request, step: _Step, i: int) -> None:
+        """r's prompt went through the target (a prefill step, or a verification that carried it, whose
+        i-th features are r's): its features are kept for the drafter, its tokens counted."""
+        if step.features is not None:
+            r.features = FeatureRows(step.features[i], step.feature_dtype)
+        self.metrics.prompt_tokens.inc(len(r.prompt))
 
     @property
     def caching(self) -> bool:
@@ -493,7 +496,7 @@ class Scheduler:
         finally:
             left, self._carrying = self._carrying, []
         if left:  # no verification was launched (every running request ended first)
-            await self._prefill(left, held=True)
+            await self._prefill(left)
 
     async def _verification_round(self, group: list[Request]) -> None:
         """One verification of the whole batch, with its drafts; then the new tokens are settled."""
@@ -608,15 +611,13 @@ class Scheduler:
                     self.metrics.cache["unasked"].inc()
         for i in step.queued:  # the drafter took this round's tokens on the device
             live[i].drafter_len = len(live[i].tokens)
-        for j, r in enumerate(step.carried, start=len(live)):  # as _prefill leaves them
-            if step.features is not None:
-                r.features = FeatureRows(step.features[j], step.feature_dtype)
-            self.metrics.prompt_tokens.inc(len(r.prompt))
-            if r.live:
-                settled.append((r, self._settle(r, step.tokens[j])))
-        self.metrics.prompts_carried.inc(len(step.carried))
-        tokens = step.tokens[:len(live)]
-        self._unfinished.append((live, num_drafts, tokens, settled))
+        if step.carried:
+            for j, r in enumerate(step.carried, start=len(live)):
+                self._prefilled(r, step, j)
+                if r.live:
+                    settled.append((r, self._settle(r, step.tokens[j])))
+            self.metrics.prompts_carried.inc(len(step.carried))
+        self._unfinished.append((live, num_drafts, step.tokens[:len(live)], settled))
 
     async def _decode(self, live: list[Request]) -> None:
         """Rounds without drafts, run back to back by the worker (_decode_on_worker)."""
@@ -958,15 +959,9 @@ class Scheduler:
             rows = [[r.tokens[-1], *d] for r, d in zip(live, batch.token_ids, strict=True)]
             prompts = [(r.slot, r.prompt) for r in carry]
             out = self.engine.verify(slots, rows, starts, batch.on_device, prompts)
-            width = max(len(row) for row in rows)
-            if carry:
-                width = max(width, self.engine.carry_width)
         else:
             out = self.engine.decode(slots, [r.tokens[-1] for r in live], starts)
-            width = 1
-        fed_rows = len(live) + self.engine.carried_rows([len(r.prompt) for r in carry])
-        mode = "eager" if self.engine.graphs_for(fed_rows, width) is None else "cuda_graph"
-        self.metrics.forward_steps_by_mode[mode].inc()
+        self.metrics.forward_steps_by_mode["cuda_graph" if self.engine.step_replayed_graph else "eager"].inc()
         # Every fed row's features start towards the drafter now, overlapping the sampler: into the store
         # (rows of rejected drafts are rewritten next round), or to the host, where the settled rows are
         # picked once the sampler has said how many there are.
