@@ -81,13 +81,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="while requests decode, how long a new request may wait for more to share its "
                              "prefill step (default 0: prefilled at once; never once the waiting fill the "
                              "free slots)")
-    parser.add_argument("--carry-rows", type=int, default=env("SPECWIRE_CARRY_ROWS", 0),
+    parser.add_argument("--carry-rows", type=int, default=env("SPECWIRE_CARRY_ROWS", 64),
                         help="while requests decode, a new request's prompt rides the next verification's "
                              "forward in rows of --carry-width tokens, up to this many rows beyond the batch "
                              "(CUDA graphs are captured for them) instead of a prefill step of its own, "
-                             "which pauses every stream. Faster under steady load; in bf16 a carried "
-                             "prompt's numerics differ from a prefill's, so greedy output then depends on "
-                             "the load (default 0: off; 64 is a good value)")
+                             "which pauses every stream (default 64; 0: every admission gets a prefill step)")
     parser.add_argument("--carry-width", type=int, default=env("SPECWIRE_CARRY_WIDTH", 5),
                         help="tokens a carried prompt's row feeds (default 5, the verification width of the "
                              "default --k; at least 2)")
