@@ -1149,21 +1149,22 @@ class Scheduler:
         # Past max_requests the drafter refuses a NewRequest, which would then be re-sent whole (every prompt
         # feature) each step. A request without room waits, undrafted, for one; this step's frees come first.
         room = self._drafter_room()
-        # A step stays under the link's message limit: whole requests (a prompt's features: 8B shape, 24 KB
-        # a token) wait for a later step once this one is full, and one that could never fit is not drafted.
+        # A step stays under the link's message limit: a request whose new features (a whole prompt's, or
+        # the tokens settled since the drafter last heard of it, many after a stall; 8B shape: 24 KB a token)
+        # do not fit waits for a later step once this one is full; one that could never fit is not drafted.
         feature_bytes = self.link.max_step_bytes
         told, sends = [], []  # sends: (request, its first token the drafter has not been told)
         tensors: dict[str, torch.Tensor] = {}  # features handed over as tensors (the store's views)
         for r in group:
-            if r.drafter_len == 0:
-                need = (len(r.tokens) - 1) * self._feature_row_bytes
-                if room == 0 or need > feature_bytes:
+            start = r.drafter_len
+            if start < len(r.tokens):
+                need = (len(r.tokens) - 1 - max(start - 1, 0)) * self._feature_row_bytes  # as _features
+                if (start == 0 and room == 0) or need > feature_bytes:
                     continue
-                room -= 1
+                if start == 0:
+                    room -= 1
                 feature_bytes -= need
-                sends.append((r, 0))
-            elif r.drafter_len < len(r.tokens):
-                sends.append((r, r.drafter_len))
+                sends.append((r, start))
             told.append(r)
         for (r, start), features in zip(sends, self._features(sends) if sends else [], strict=True):
             update = step.updates.add(request_id=r.id)
