@@ -53,10 +53,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "verification runs (0 = wait for drafts each round; default 8, or 0 with "
                              "--colocated, whose drafts queued behind the sampler measured faster than "
                              "tables: bench/results/session19_h200x2/)")
-    parser.add_argument("--table-chains", type=int, default=env("SPECWIRE_TABLE_CHAINS", 0),
-                        help="speculation cache: the most chains a table step asks for in all, shared by "
-                             "its requests (at least 1 each, at most --cache-branches): bounds the "
-                             "drafter's table work at large batch (default 0: --cache-branches each)")
     parser.add_argument("--table-wait-ms", type=float, default=env("SPECWIRE_TABLE_WAIT_MS", None),
                         help="how long a finished verification waits for a table still on its way "
                              "(default: decided each round: waited for when it is due within what a hit "
@@ -167,9 +163,8 @@ async def serve(args: argparse.Namespace) -> None:
         raise ValueError(f"--queue-drafts must be auto, on or off, got {args.queue_drafts!r}")
     if args.cache_branches is None:
         args.cache_branches = 0 if args.colocated else 8
-    if args.cache_branches < 0 or args.table_chains < 0:
-        raise ValueError(f"--cache-branches and --table-chains must be >= 0, got {args.cache_branches} and "
-                         f"{args.table_chains}")
+    if args.cache_branches < 0:
+        raise ValueError(f"--cache-branches must be >= 0, got {args.cache_branches}")
     if args.drafting_epoch < 0:
         raise ValueError(f"--drafting-epoch must be >= 0, got {args.drafting_epoch}")
     if args.stream_interval < 1:
@@ -197,7 +192,7 @@ async def serve(args: argparse.Namespace) -> None:
         step_timeout=args.draft_timeout,
         scheduler=SchedulerConfig(num_speculative_tokens=args.k, max_waiting=args.max_waiting,
                                   default_max_tokens=args.default_max_tokens, draft_top_k=args.draft_top_k,
-                                  cache_branches=args.cache_branches, table_chains=args.table_chains,
+                                  cache_branches=args.cache_branches,
                                   table_wait=table_wait, just_in_time_wait=jit_wait,
                                   drafting_epoch=args.drafting_epoch,
                                   forced_acceptance=forced,

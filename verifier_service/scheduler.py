@@ -194,11 +194,6 @@ class SchedulerConfig:
     # K = 16 / 32 / 64) for 8 bytes an entry.
     draft_top_k: int = 64
     cache_branches: int = 8  # speculation-cache table entries per request; 0 = serial drafting
-    # With tables and > 0: the most chains one table step asks for in all, shared by its requests (at least
-    # one each, at most cache_branches). A table step's drafting grows with batch x branches, and from batch
-    # 16 on the 8B shape's took as long as a verification, so its tables came late (bench/results/session27/).
-    # 0: cache_branches each.
-    table_chains: int = 0
     # How long a finished verification waits for a table still on its way; None = decided per round by
     # table_wait() from what a hit is worth and when the table should come. Never longer than the link's
     # step timeout.
@@ -1187,8 +1182,6 @@ class Scheduler:
             # A table needs tokens settled since the last one: sent now, or with a "chains" step since.
             fresh = {r.id: start for r, start in sends}
             most = min(self.config.cache_branches, self.link.info.max_branches)
-            if self.config.table_chains:
-                most = max(1, min(most, self.config.table_chains // max(1, len(told))))
             checked = dict(zip((r.id for r in group), checking, strict=True))
             for r in told:
                 chain = r.next_branch == CHAIN

@@ -1,15 +1,10 @@
-"""What a DraftStep to a remote drafter carries.
-
-- It stays under the link's message bound when requests catch up. After a stall (steps unanswered, so none
-  could be sent) the requests have settled many tokens the drafter was not told; their features count against
-  the bound like a whole prompt's do, and requests that do not fit wait for a later step. Before, only whole
-  prompts counted: on the 8B shape over the step socket, catch-up steps of 67-92 MB went over the 64 MiB bound
-  and each dropped the link (bench/results/session27/).
-- --table-chains shares a table step's chains among its requests.
-"""
+"""A step to a remote drafter stays under its message bound when requests catch up. After a stall (steps
+unanswered, so none could be sent) the requests have settled many tokens the drafter was not told; their
+features count against the bound like a whole prompt's do, and requests that do not fit wait for a later step.
+Before, only whole prompts counted: on the 8B shape over the step socket, catch-up steps of 67-92 MB went over
+the 64 MiB bound and each dropped the link (bench/results/session27/)."""
 
 import numpy as np
-import pytest
 import torch
 from specwire.verifier.scheduler import FeatureRows, Request, Scheduler, SchedulerConfig
 from test_services_e2e import MAX_CONTEXT, tiny_target
@@ -42,19 +37,17 @@ class RemoteLink:
         return object()  # the step's answer: not read by this test
 
 
-def scheduler_with_told_requests(lengths: list[tuple[int, int]], **scheduling
+def scheduler_with_told_requests(lengths: list[tuple[int, int]]
                                  ) -> tuple[Scheduler, RemoteLink, list[Request]]:
-    """Requests of (tokens, tokens the drafter was told) each; features row i = [i, request number];
-    scheduling: SchedulerConfig fields (serial drafting unless told)."""
+    """Requests of (tokens, tokens the drafter was told) each; features row i = [i, request number]."""
     config, sd = tiny_target()
     engine = TargetEngine(checkpoint=(config, sd), device="cpu", dtype=torch.float32, max_slots=8,
                           max_context=MAX_CONTEXT)
     hidden = config.hidden_size
-    info = dpb.DrafterInfo(feature_dim=hidden, feature_dtype=dpb.DTYPE_FLOAT32, max_num_drafts=4,
-                           max_branches=8)
+    info = dpb.DrafterInfo(feature_dim=hidden, feature_dtype=dpb.DTYPE_FLOAT32, max_num_drafts=4)
     link = RemoteLink(info, ROWS_A_STEP * hidden * 4)
-    settings = SchedulerConfig(num_speculative_tokens=4, **{"cache_branches": 0, **scheduling})
-    scheduler = Scheduler(engine, synthetic_tokenizer(config), VerifierMetrics(), settings, link)
+    scheduler = Scheduler(engine, synthetic_tokenizer(config), VerifierMetrics(),
+                          SchedulerConfig(num_speculative_tokens=4, cache_branches=0), link)
     scheduler.check_drafter(info)
     requests = []
     for n, (length, told) in enumerate(lengths):
@@ -112,13 +105,3 @@ def test_a_catch_up_that_fits_goes_in_one_step_with_new_requests():
     assert len(link.sent) == 1 and all(r.drafter_len == len(r.tokens) for r in requests)
     told = told_rows(link.sent[0])
     assert [len(told[r.id][2]) for r in requests] == [4, 4, 8]
-
-
-@pytest.mark.parametrize(("chains", "requests", "branches"),
-                         [(0, 6, 8), (12, 6, 2), (100, 6, 8), (4, 6, 1)])
-def test_table_chains_are_shared_by_the_step_s_requests(chains, requests, branches):
-    scheduler, link, rows = scheduler_with_told_requests([(12, 8)] * requests, cache_branches=8,
-                                                         table_chains=chains)
-    scheduler._send_step(rows, "tables", checking=[0] * requests)
-    wants = link.sent[0].wants
-    assert len(wants) == requests and {w.num_branches for w in wants} == {branches}
