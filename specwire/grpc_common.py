@@ -128,11 +128,26 @@ class TextFormatter(logging.Formatter):
         return f"{line} {extras}" if extras else line
 
 
+class _CurrentStderr(logging.StreamHandler):
+    """Writes to whatever sys.stderr is when a record comes (as logging's last-resort handler does): a stderr
+    replaced after set-up (a test's capture, closed once the test ends) never leaves a dead stream behind for
+    the server's threads to log into."""
+
+    @property
+    def stream(self) -> Any:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _: Any) -> None:
+        pass
+
+
 def setup_logging(level: str = "INFO", fmt: str = "json", stream: Any = None) -> None:
-    """Routes all logging to one handler on `stream` (stderr) in `fmt` "json" or "text"."""
+    """Routes all logging to one handler on `stream` (default: the current stderr) in `fmt` "json" or
+    "text"."""
     if fmt not in ("json", "text"):
         raise ValueError(f"log format {fmt!r} is not 'json' or 'text'")
-    handler = logging.StreamHandler(stream or sys.stderr)
+    handler = _CurrentStderr() if stream is None else logging.StreamHandler(stream)
     handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
     root = logging.getLogger()
     root.handlers[:] = [handler]

@@ -327,6 +327,22 @@ def test_json_logs_one_object_per_line_with_extra_fields():
         grpc_common.setup_logging("INFO", "xml")
 
 
+def test_logs_without_a_stream_go_to_the_stderr_of_the_moment(monkeypatch):
+    """A server's threads log after whoever set logging up has swapped stderr back (a test's capture, closed
+    when the test ends): each record goes to the stderr of its moment, never to a closed stream."""
+    first, second = io.StringIO(), io.StringIO()
+    monkeypatch.setattr(sys, "stderr", first)
+    grpc_common.setup_logging("INFO", "text")
+    try:
+        logging.getLogger("specwire.test").info("one")
+        first.close()
+        monkeypatch.setattr(sys, "stderr", second)
+        logging.getLogger("specwire.test").info("two")
+    finally:
+        logging.getLogger().handlers.clear()
+    assert second.getvalue().splitlines()[-1].endswith("INFO specwire.test: two")
+
+
 def test_text_logs_keep_the_extra_fields():
     stream = io.StringIO()
     grpc_common.setup_logging("INFO", "text", stream)
