@@ -1124,15 +1124,22 @@ class Scheduler:
             message.seed = r.params.seed
         return want
 
+    @staticmethod
+    def _feature_rows(r: Request, start: int) -> tuple[int, int]:
+        """The feature rows [first, end) that go with r's tokens from `start` on: the positions before them
+        (a whole request, start 0: every token's but the last, which the target has not run on)."""
+        return max(start - 1, 0), len(r.tokens) - 1
+
     def _features(self, sends: list[tuple[Request, int]]) -> list[dpb.Tensor] | list[torch.Tensor]:
         """Per (request, first token to send): the features of the positions before those tokens, picked and
         converted for the drafter (bytes as they are when it takes the dtype the target computes in), or
         views of the store for a drafter that takes tensors."""
         if self._store is not None:
             self._store.ready()
-            return [self._store.view(r.slot, max(start - 1, 0), len(r.tokens) - 1) for r, start in sends]
-        return encode_arrays([(r.features[max(start - 1, 0):len(r.tokens) - 1][:, self._feature_columns],
-                               r.features.dtype) for r, start in sends], self._feature_dtype)
+            return [self._store.view(r.slot, *self._feature_rows(r, start)) for r, start in sends]
+        rows = [(r, *self._feature_rows(r, start)) for r, start in sends]
+        return encode_arrays([(r.features[first:end][:, self._feature_columns], r.features.dtype)
+                              for r, first, end in rows], self._feature_dtype)
 
     def _send_step(self, group: list[Request], kind: str, checking: list[int] | None = None
                    ) -> tuple[asyncio.Future, dict] | None:
@@ -1158,7 +1165,8 @@ class Scheduler:
         for r in group:
             start = r.drafter_len
             if start < len(r.tokens):
-                need = (len(r.tokens) - 1 - max(start - 1, 0)) * self._feature_row_bytes  # as _features
+                first, end = self._feature_rows(r, start)
+                need = (end - first) * self._feature_row_bytes
                 if (start == 0 and room == 0) or need > feature_bytes:
                     continue
                 if start == 0:
