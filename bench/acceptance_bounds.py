@@ -7,6 +7,7 @@ at every response position and draft step j this reports, on the target's own vo
   overlap_topK the same with q cut to its top K and renormalised (what the drafter ships, --draft-top-k);
   in_vocab     p's mass on the draft vocabulary: the overlap of a perfect head with that vocabulary;
   top1         whether the head's argmax is the target's (what greedy acceptance needs, T = 0);
+  overlap_topK_scaleC (--q-scales) the widest cut's overlap with q from the logits / C: is q calibrated?
 each chained into an acceptance-length proxy for k = 4: 1 + a1 + a1 a2 + ... (independence assumed).
 p is the target's T = 1 distribution; with --temperature 0 (greedy answers) only top1 describes acceptance.
 
@@ -47,6 +48,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=1.0, help="of the target's answers (0: greedy)")
     p.add_argument("--top-k", default="16,32,64", help="q cuts to report")
+    p.add_argument("--q-scales", default="", help="also q from the head's logits / c for these c, cut to the "
+                   "widest top-K (overlap_top{K}_scale{c}): is the head's q calibrated?")
     p.add_argument("--device", default="cpu")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out")
@@ -91,6 +94,12 @@ def provenance(engine: TargetEngine, head: str) -> dict:
     }
 
 
+def overlap_top_k(p: torch.Tensor, q: torch.Tensor, k: int) -> torch.Tensor:
+    """sum min(p, q') per row, q' = q cut to its top k and renormalised (what the drafter ships)."""
+    top, idx = q.topk(min(k, q.shape[-1]), -1)
+    return torch.minimum(p.gather(-1, idx), top / top.sum(-1, keepdim=True)).sum(-1)
+
+
 @torch.no_grad()
 def main() -> None:
     a = parse_args()
@@ -103,6 +112,7 @@ def main() -> None:
     add_arguments(train_args)
     trainer = Trainer(head, engine, train_args.parse_args(["--ttt-steps", str(K)]), cuda=False)
     cuts = [int(k) for k in a.top_k.split(",")]
+    scales = [float(c) for c in a.q_scales.split(",") if c]
     sums: dict[str, list[float]] = {}
     positions = [0.0] * K
     for batch in trainer._batches(conversations, epoch=None):
@@ -111,7 +121,8 @@ def main() -> None:
         p_in = p[..., head.draft_to_target]  # the target's probabilities of the draft vocabulary's tokens
         for j, out in enumerate(unroll(head, x["ids"], x["feats"], K)):
             m = step_mask(x["mask"], j)
-            q = torch.softmax(head.logits(out), -1)[m]
+            logits = head.logits(out)[m]
+            q = torch.softmax(logits, -1)
             pj, pin = p[m], p_in[m]
             values = {
                 "overlap": torch.minimum(pin, q).sum(-1),
@@ -119,9 +130,10 @@ def main() -> None:
                 "top1": (head.draft_to_target[q.argmax(-1)] == pj.argmax(-1)).float(),
             }
             for k in cuts:
-                top, idx = q.topk(min(k, q.shape[-1]), -1)
-                top = top / top.sum(-1, keepdim=True)
-                values[f"overlap_top{k}"] = torch.minimum(pin.gather(-1, idx), top).sum(-1)
+                values[f"overlap_top{k}"] = overlap_top_k(pin, q, k)
+            for c in scales:
+                values[f"overlap_top{max(cuts)}_scale{c}"] = overlap_top_k(pin, torch.softmax(logits / c, -1),
+                                                                           max(cuts))
             for name, v in values.items():
                 sums.setdefault(name, [0.0] * K)[j] += float(v.sum())
             positions[j] += float(m.sum())
