@@ -526,19 +526,19 @@ class TargetEngine:
         # full (and nothing is carried) the fed tokens lead the grid, and a slice (cloned: graph buffers are
         # reused) picks them.
         stride, fed = out.hidden.shape[1], sum(counts)
-        full = fed == len(counts) * stride
-        cells = [] if full and not carried else [i * stride + j for i, n in enumerate(counts)
-                                                  for j in range(n)]
-        if carried:
-            base, w = len(counts) * stride, carried.tokens.shape[1]
-            to_grid = [base + (c // w) * stride + c % w for c in carried.cells]  # carried grid -> this grid
-            last = [base + r * stride + carried.counts[r] - 1 for r in carried.last_rows]
-            index = upload(torch.tensor(cells + last + cells + to_grid), self.device)  # one copy for both
-            logits_index, hidden_index = index[:fed + len(last)], index[fed + len(last):]
-        elif not full:
-            logits_index = hidden_index = upload(torch.tensor(cells), self.device)
-        else:
+        if fed == len(counts) * stride and not carried:
             logits_index = hidden_index = None
+        else:
+            cells = [i * stride + j for i, n in enumerate(counts) for j in range(n)]
+            if carried:
+                base, w = len(counts) * stride, carried.tokens.shape[1]
+                # the carried grid's cells in this grid
+                to_grid = [base + (c // w) * stride + c % w for c in carried.cells]
+                last = [base + r * stride + carried.counts[r] - 1 for r in carried.last_rows]
+                index = upload(torch.tensor(cells + last + cells + to_grid), self.device)  # one copy for both
+                logits_index, hidden_index = index[:fed + len(last)], index[fed + len(last):]
+            else:
+                logits_index = hidden_index = upload(torch.tensor(cells), self.device)
 
         def pick(t: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
             return t[:fed].clone() if index is None else t[index]
