@@ -241,7 +241,7 @@ class _Launch(NamedTuple):
     """A verification queued on the device, to be collected."""
 
     started: float  # perf_counter() at its launch
-    num_drafts: list[int]
+    num_drafts: list[int]  # per verified row (carried prompts not included)
     sampled: SampleOutput
     queued: list[int]  # rows whose next drafts are queued behind the sampler
     wants: list[Want]  # and what was asked for each
@@ -974,9 +974,9 @@ class Scheduler:
         elif self.link is not None:
             self._readback.start(self._feature_table(out.hidden, out.aux_hidden))
         round_trace.mark("v.forward_queued")
-        if carry:  # each carried prompt's last token is sampled as a row without drafts
-            batch = BatchDrafts([*batch.token_ids, *([] for _ in carry)], batch.probs, batch.on_device)
-        sampled = self._sample(out.logits, [*live, *carry], batch)
+        sampling = batch if not carry else BatchDrafts(  # a carried prompt's last token: a row without drafts
+            [*batch.token_ids, *([] for _ in carry)], batch.probs, batch.on_device)
+        sampled = self._sample(out.logits, [*live, *carry], sampling)
         self._verify_span.end()
         round_trace.mark("v.sampler_queued")
         queue, wants = list(queue), [self._want_for(live[i], self._num_drafts(live[i])) for i in queue]
@@ -1010,8 +1010,7 @@ class Scheduler:
             # _round copies them into each request's FeatureRows before the next verification reuses it.
             table = self._readback.wait()
             rows, features, first, dtype = as_numpy(table), [], 0, table.dtype
-            settling = len(launch.num_drafts) - len(launch.carried)
-            for drafted, settled in zip(launch.num_drafts[:settling], tokens[:settling], strict=True):
+            for drafted, settled in zip(launch.num_drafts, tokens[:len(launch.num_drafts)], strict=True):
                 features.append(rows[first:first + len(settled)])
                 first += drafted + 1
             for r in launch.carried:  # a carried prompt's rows: every token's
