@@ -21,6 +21,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also serve the per-round Draft stream on this Unix socket (owner-only), for a "
                              "verifier on this host started with --drafter-socket PATH: it skips gRPC's "
                              "per-message cost; the handshake stays on gRPC (env SPECWIRE_STEP_SOCKET)")
+    parser.add_argument("--no-shared-features", action="store_true",
+                        default=env("SPECWIRE_NO_SHARED_FEATURES", False),
+                        help="do not map a verifier's feature table from GPU memory (CUDA IPC, a verifier on "
+                             "this host whose GPU this process can see); its features then come as bytes in "
+                             "the steps (env SPECWIRE_NO_SHARED_FEATURES)")
     grpc_common.add_model_arguments(parser, dtype_of="head weights and cache")
     add_proposer_arguments(parser)
     parser.add_argument("--no-cuda-graphs", action="store_true", help="draft eagerly")
@@ -113,7 +118,8 @@ async def serve(args: argparse.Namespace) -> None:
     if args.metrics_port is not None:
         metrics.serve(args.metrics_port)
     server = grpc_common.GrpcServer(grpc_common.ServerOptions.from_args(args))
-    service = DrafterService(metrics, server.draining, server.options.max_message_bytes)
+    service = DrafterService(metrics, server.draining, server.options.max_message_bytes,
+                             shared_features=not args.no_shared_features)
     server.add_service(grpc_common.DRAFTER_SERVICE, drafter_pb2_grpc.add_DrafterServicer_to_server, service)
 
     async def load() -> None:

@@ -6,6 +6,8 @@ top-K sparse for truncated sampling, dense for untruncated). An update that cann
 unknown request, a position that skips tokens) drops that request and names it in dropped_request_ids,
 so the verifier re-sends it whole. State belongs to the stream: when it ends, its requests are freed.
 A stream comes over gRPC (`Draft`) or, from a verifier on this host, over the step socket (`serve_socket`).
+A verifier on this host may also share its feature table in GPU memory (specwire.shared_features): the
+stream's updates then name rows of it instead of carrying feature bytes.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ from specwire import round_trace
 from specwire.config import ModelConfig
 from specwire.grpc_common import DEFAULT_MAX_MESSAGE_BYTES
 from specwire.metrics import DrafterMetrics
+from specwire.shared_features import host_id, open_table, shared_rows
+from specwire.staging import upload
 from specwire.step_profiler import StepProfiler
 from specwire.step_socket import FrameError, MessageSocket
 from specwire.v1 import drafter_pb2 as pb
@@ -84,15 +88,17 @@ class _StepReader:
 
 class DrafterService(drafter_pb2_grpc.DrafterServicer):
     def __init__(self, metrics: DrafterMetrics, draining: asyncio.Event | None = None,
-                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES):
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, shared_features: bool = True):
         """Refuses handshakes until `load`. draining: set when the server drains; open Draft streams then
         end, so verifiers fall back at once instead of waiting out the grace period. max_message_bytes:
-        the step socket's bound (gRPC's is the server's), told to verifiers in the handshake."""
+        the step socket's bound (gRPC's is the server's), told to verifiers in the handshake.
+        shared_features: offer to map a verifier's feature table (a drafter on a GPU only)."""
         self.metrics, self.draining = metrics, draining or asyncio.Event()
-        self.max_message_bytes = max_message_bytes
+        self.max_message_bytes, self.shared_features = max_message_bytes, shared_features
         self.proposer: EagleProposer | None = None
         self._streams = itertools.count()
         self._known: dict[str, int] = {}  # proposer key -> tokens the drafter holds for it
+        self._tables: dict[int, torch.Tensor] = {}  # stream -> the verifier's shared feature table, mapped
         self._queued: list[str] = []  # keys of queue_drafts, until take_drafts
         self._queue_seconds = 0.0
         self._profiler = StepProfiler("drafter")
@@ -108,6 +114,7 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
             max_num_drafts=proposer.max_drafts, max_requests=proposer.max_requests,
             max_branches=proposer.max_branches, chains=proposer.max_branches > 0,
             feature_dtype=_FEATURE_DTYPES[proposer.head.dtype], max_message_bytes=self.max_message_bytes,
+            shared_features_host=host_id() if self.shared_features and proposer.device.type == "cuda" else "",
         )
         self.proposer = proposer
 
@@ -180,7 +187,10 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
                 fresh = inbox.empty()  # else a newer step (or the stream's end) is waiting
                 self.metrics.rpc_bytes["received"].inc(step.ByteSize())
                 round_trace.mark("d.taken")
-                result = self.run_step(stream, owned, step, draft=fresh)
+                refused = self._map(stream, step.shared_features) if step.HasField("shared_features") else ""
+                result = self.run_step(stream, owned, step, self._gather(step, self._tables.get(stream)),
+                                       draft=fresh)
+                result.shared_features_error = refused
                 round_trace.mark("d.returned")
                 self.metrics.rpc_bytes["sent"].inc(result.ByteSize())
                 await write(result)
@@ -189,6 +199,7 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
             # Freed before any await: a stream cancelled again while it waits for its reader (a connection
             # reset under load) would otherwise keep its requests held for good (the link-fault test: 8 left).
             self._free_all(owned)
+            self._tables.pop(stream, None)
             reader.cancel()
             await asyncio.gather(reader, return_exceptions=True)
             log.info("draft stream closed", extra={"stream": stream})
@@ -210,12 +221,49 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
 
     # ------------------------------------------------------------------------------------------ worker
 
+    def _map(self, stream: int, offer: pb.SharedFeatures) -> str:
+        """Maps the offered table for the stream's later steps; or says why not (the verifier then
+        reconnects and sends bytes)."""
+        self._tables.pop(stream, None)
+        try:
+            if not self.info.shared_features_host:
+                raise WireError("shared features: this drafter does not map them (--no-shared-features or a "
+                                "CPU drafter)")
+            table = open_table(offer)
+        except WireError as e:
+            self.metrics.bad_payloads.labels(reason="bad_tensor").inc()
+            log.warning("shared features refused", extra={"reason": str(e)})
+            return str(e)
+        log.info("shared features mapped", extra={"rows": table.shape[0], "device": str(table.device)})
+        self._tables[stream] = table
+        return ""
+
+    def _gather(self, step: pb.DraftStep, table: torch.Tensor | None) -> dict[str, torch.Tensor]:
+        """The shared rows `step`'s updates name, in one gather on the verifier's GPU and one copy to this
+        drafter's, by request id. A reference out of the table's bounds is left out: applying it raises."""
+        if table is None:
+            return {}
+        refs = []  # (request id, first row, rows)
+        for update in step.updates:
+            kind = update.WhichOneof("kind")
+            holder = getattr(update, kind) if kind in ("new_request", "accepted") else None
+            if holder is not None and holder.HasField("shared_row"):
+                count = len(holder.token_ids) - (kind == "new_request")
+                if count >= 0 and holder.shared_row + count <= table.shape[0]:
+                    refs.append((update.request_id, holder.shared_row, count))
+        if not refs:
+            return {}
+        rows = upload(torch.cat([torch.arange(first, first + n) for _, first, n in refs]), table.device)
+        packed = table.index_select(0, rows).to(self.proposer.device)
+        return dict(zip((rid for rid, _, _ in refs), packed.split([n for _, _, n in refs]), strict=True))
+
     @torch.inference_mode()
     def run_step(self, stream: int, owned: set[str], step: pb.DraftStep,
                  features: Mapping[str, torch.Tensor] | None = None, draft: bool = True) -> pb.DraftResult:
         """Applies `step`'s updates, then drafts for its wants (on the proposer's thread); draft=False answers
         a stale step with its updates applied and no drafts. features: per request id, its update's features
-        as a tensor (from a co-located verifier) instead of the bytes in the update."""
+        as a tensor (from a co-located verifier, or gathered from the shared table) instead of the bytes in
+        the update."""
         features = features or {}
         started = time.perf_counter()
         round_trace.mark("d.run")
@@ -223,7 +271,7 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
         for update in step.updates:
             key = f"{stream}/{update.request_id}"
             try:
-                self._apply(key, owned, update, features.get(update.request_id))
+                self._apply(key, owned, update, features.get(update.request_id), self._tables.get(stream))
             except (WireError, ProposerError, ValueError) as e:
                 self._free(key, owned)
                 result.dropped_request_ids.append(update.request_id)
@@ -286,8 +334,8 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
         self.metrics.draft_step_time.observe(self._queue_seconds + time.perf_counter() - started)
         return proposal
 
-    def _apply(self, key: str, owned: set[str], update: pb.RequestUpdate, features: torch.Tensor | None
-               ) -> None:
+    def _apply(self, key: str, owned: set[str], update: pb.RequestUpdate, features: torch.Tensor | None,
+               shared: torch.Tensor | None) -> None:
         kind = update.WhichOneof("kind")
         if kind == "free":
             self._free(key, owned)
@@ -295,7 +343,8 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
         if kind == "new_request":
             self._free(key, owned)  # a re-send replaces what was there
             new = update.new_request
-            self.proposer.add(key, list(new.token_ids), self._features(new.features, features))
+            self.proposer.add(key, list(new.token_ids),
+                              self._features(new, len(new.token_ids) - 1, features, shared))
             owned.add(key)
             self._known[key] = len(new.token_ids)
             return
@@ -307,13 +356,18 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
         if accepted.position != self._known[key]:
             raise ValueError(f"accepted tokens at position {accepted.position}, but the drafter holds "
                              f"{self._known[key]} tokens")
-        self.proposer.update(key, list(accepted.token_ids), self._features(accepted.features, features))
+        self.proposer.update(key, list(accepted.token_ids),
+                             self._features(accepted, len(accepted.token_ids), features, shared))
         self._known[key] += len(accepted.token_ids)
 
-    def _features(self, message: pb.Tensor, tensor: torch.Tensor | None) -> torch.Tensor:
+    def _features(self, holder: pb.NewRequest | pb.Accepted, count: int, tensor: torch.Tensor | None,
+                  shared: torch.Tensor | None) -> torch.Tensor:
+        """An update's `count` feature rows: handed over, named in the shared table, or its bytes."""
         if tensor is not None:  # the proposer checks its shape, as for a decoded one
             return tensor
-        return decode_tensor(message, dtypes=tuple(_FEATURE_DTYPES), ndim=2, name="features")
+        if holder.HasField("shared_row"):  # not gathered: out of bounds, or no table (this raises why)
+            return shared_rows(shared, holder.shared_row, count)
+        return decode_tensor(holder.features, dtypes=tuple(_FEATURE_DTYPES), ndim=2, name="features")
 
     def _free(self, key: str, owned: set[str]) -> None:
         if key in self._known:

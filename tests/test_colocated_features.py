@@ -19,7 +19,7 @@ import torch
 from specwire.drafter.eagle_head import random_eagle_head
 from specwire.drafter.proposer import EagleProposer
 from specwire.drafter.server import DrafterService
-from specwire.verifier.drafter_link import LocalDrafterLink
+from specwire.verifier.drafter_link import DrafterLink, LocalDrafterLink
 from specwire.verifier.scheduler import Scheduler, SchedulerConfig
 from test_services_e2e import MAX_CONTEXT, tiny_target
 
@@ -31,8 +31,8 @@ from specwire.synthetic import synthetic_tokenizer
 K, SLOTS, REQUESTS, MAX_TOKENS = 3, 3, 7, 30
 
 
-async def generate(engine: TargetEngine, link: LocalDrafterLink, cache_branches: int, queue_drafts: bool
-                   ) -> tuple[list[list[int]], float]:
+async def generate(engine: TargetEngine, link: LocalDrafterLink | DrafterLink, cache_branches: int,
+                   queue_drafts: bool) -> tuple[list[list[int]], float]:
     """Each request's tokens, and how many prompts a verification carried."""
     # The synthetic tokenizer of the target's vocabulary: outputs are only compared as ids, and GPU runs need
     # no model staged for it.
@@ -73,22 +73,8 @@ def two_gpus():
 def test_the_colocated_drafter_is_handed_the_target_features_of_every_token(cache_branches, queue_drafts,
                                                                           carry_rows, as_bytes, devices):
     drafter_device, verifier_device = devices
-    config, sd = tiny_target()
-    head = random_eagle_head(config, sd, torch.float32, drafter_device, MAX_CONTEXT)
-    assert head.config.feature_dim == 3 * config.hidden_size
-    engine = TargetEngine(checkpoint=(config, sd), device=verifier_device, dtype=torch.float32,
-                          max_slots=SLOTS, max_context=MAX_CONTEXT, aux_layers=head.config.aux_layers,
-                          max_verify_tokens=K + 1, carry_rows=carry_rows, carry_width=K + 1)
-    proposer = EagleProposer(head, max_requests=SLOTS, max_context=MAX_CONTEXT, max_drafts=K, max_top_k=8,
-                             max_branches=cache_branches)
-    handed = defaultdict(list)  # drafter key -> the features of each add/update, in order
-    append = proposer._append
-
-    def record(request_id, request, tokens, features):
-        handed[request_id].append(features.to("cpu", copy=True))
-        append(request_id, request, tokens, features)
-
-    proposer._append = record
+    config, sd, head, engine, proposer, handed = recording_drafter(drafter_device, verifier_device,
+                                                                   cache_branches, carry_rows)
     queue = proposer.queue_after_verification
 
     def record_queued(request_ids, *args):  # the rows the device gathered, as many as settled
@@ -100,8 +86,7 @@ def test_the_colocated_drafter_is_handed_the_target_features_of_every_token(cach
 
     queued = set()
     proposer.queue_after_verification = record_queued
-    service = DrafterService(DrafterMetrics())
-    service.load(proposer, config, synthetic_tokenizer(config).fingerprint, "eagle3:random")
+    service = drafter_service(proposer, config)
     owned = set()
     on_device = not as_bytes  # bytes: no feature device, so steps carry the features as over gRPC
     link = LocalDrafterLink(functools.partial(service.run_step, 0, owned), service.info, service.mismatch,
@@ -111,11 +96,47 @@ def test_the_colocated_drafter_is_handed_the_target_features_of_every_token(cach
     outputs, carried = asyncio.run(generate(engine, link, cache_branches, queue_drafts))
     assert bool(queued) == queue_drafts
     assert (carried > 0) == (carry_rows > 0)
+    assert_handed_the_target_features(handed, outputs, config, sd, head, verifier_device)
 
+
+def recording_drafter(drafter_device: str, verifier_device: str, cache_branches: int, carry_rows: int):
+    """The tiny target's engine and a random EAGLE-3 head's proposer that records the features each add and
+    update hands it (handed: drafter key -> tensors, in order)."""
+    config, sd = tiny_target()
+    head = random_eagle_head(config, sd, torch.float32, drafter_device, MAX_CONTEXT)
+    assert head.config.feature_dim == 3 * config.hidden_size
+    engine = TargetEngine(checkpoint=(config, sd), device=verifier_device, dtype=torch.float32,
+                          max_slots=SLOTS, max_context=MAX_CONTEXT, aux_layers=head.config.aux_layers,
+                          max_verify_tokens=K + 1, carry_rows=carry_rows, carry_width=K + 1)
+    proposer = EagleProposer(head, max_requests=SLOTS, max_context=MAX_CONTEXT, max_drafts=K, max_top_k=8,
+                             max_branches=cache_branches)
+    handed = defaultdict(list)
+    append = proposer._append
+
+    def record(request_id, request, tokens, features):
+        handed[request_id].append(features.to("cpu", copy=True))
+        append(request_id, request, tokens, features)
+
+    proposer._append = record
+    return config, sd, head, engine, proposer, handed
+
+
+def drafter_service(proposer: EagleProposer, config) -> DrafterService:
+    service = DrafterService(DrafterMetrics())
+    service.load(proposer, config, synthetic_tokenizer(config).fingerprint, "eagle3:random")
+    return service
+
+
+def assert_handed_the_target_features(handed, outputs, config, sd, head, verifier_device: str,
+                                      stream: int = 0, only: set[int] | None = None) -> None:
+    """Every request's (or those in `only`) handed features on drafter stream `stream` are the target's own,
+    as a prefill of its final tokens computes them."""
     reference = TargetEngine(checkpoint=(config, sd), device=verifier_device, dtype=torch.float32,
                              max_slots=1, max_context=MAX_CONTEXT, aux_layers=head.config.aux_layers)
     for i, tokens in enumerate(outputs):
-        got = torch.cat(handed[f"0/{i}"])
+        if only is not None and i not in only:
+            continue
+        got = torch.cat(handed[f"{stream}/{i}"])
         # rows 0..n-1: the positions of the tokens the drafter was told of, but the last
         assert len(tokens) - MAX_TOKENS < got.shape[0] < len(tokens)
         want = reference.prefill([(0, tokens)]).aux_hidden[:got.shape[0]].cpu()

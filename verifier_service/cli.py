@@ -24,6 +24,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--drafter-socket", default=env("SPECWIRE_DRAFTER_SOCKET", None), metavar="PATH",
                         help="with --drafter on this host: the drafter's --step-socket; the per-round Draft "
                              "stream goes over it instead of gRPC (env SPECWIRE_DRAFTER_SOCKET)")
+    parser.add_argument("--no-shared-features", action="store_true",
+                        default=env("SPECWIRE_NO_SHARED_FEATURES", False),
+                        help="send a drafter on this host the features as bytes in each step; by default a "
+                             "verifier on a GPU shares its feature table with such a drafter by CUDA IPC "
+                             "and the steps name rows of it (env SPECWIRE_NO_SHARED_FEATURES)")
     parser.add_argument("--colocated", action="store_true",
                         help="run the drafter inside this process (same scheduler and link, no gRPC hop)")
     parser.add_argument("--head", default=env("SPECWIRE_HEAD", None),
@@ -188,6 +193,7 @@ async def serve(args: argparse.Namespace) -> None:
     settings = VerifierSettings(
         drafter=args.drafter if args.k > 0 else None,
         drafter_socket=args.drafter_socket,
+        shared_features=not args.no_shared_features,
         drafter_channel=drafter_channel(args, options),
         step_timeout=args.draft_timeout,
         scheduler=SchedulerConfig(num_speculative_tokens=args.k, max_waiting=args.max_waiting,

@@ -6,6 +6,8 @@ resolves every waiting step to None, and a background task reconnects with expon
 each new stream the scheduler re-sends the state of its live requests (`on_connect`). Any exception while
 connecting is logged and retried, so a bug in a check turns speculation off only until it stops raising.
 With a step socket (a drafter on this host), the stream runs over it instead of gRPC (specwire.step_socket).
+With a drafter on this host that can map GPU memory, the features stay in the verifier's feature table and
+the steps name its rows (specwire.shared_features); a drafter that fails to map it gets bytes from then on.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from specwire.verifier.alignment import Drafts, Want
 
 from specwire import grpc_common, round_trace
 from specwire.metrics import VerifierMetrics
+from specwire.shared_features import describe, host_id
 from specwire.step_socket import FrameError, MessageSocket
 from specwire.v1 import drafter_pb2 as pb
 from specwire.v1 import drafter_pb2_grpc
@@ -291,14 +294,20 @@ class DrafterLink(_StepResults):
         self, target: str, metrics: VerifierMetrics,
         channel_options: grpc_common.ChannelOptions | None = None,
         step_timeout: float = 0.5, max_in_flight: int = 4, backoff: tuple[float, float] = (0.05, 5.0),
-        socket_path: str | None = None,
+        socket_path: str | None = None, share_from: torch.device | None = None,
     ):
         """max_in_flight bounds the steps the drafter holds (answered late or not yet), so a slow drafter is
         never flooded. socket_path: the drafter's step socket, for the Draft stream (the handshake stays on
-        gRPC). The owner sets `handshake`, `check_info` (raises HandshakeRefused for a drafter it cannot
-        feed) and `on_connect` before `start`."""
+        gRPC). share_from: the verifier's GPU, whose feature table a drafter on this host may map instead of
+        taking bytes. The owner sets `handshake`, `check_info` (raises HandshakeRefused for a drafter it
+        cannot feed) and `on_connect` before `start`."""
         self.target, self.metrics, self.socket_path = target, metrics, socket_path
-        self.feature_device: torch.device | None = None  # features travel in the steps, as bytes
+        # None: features travel in the steps, as bytes; else the stream shares the owner's feature table on
+        # this device, handed to `send` as views of it (decided at each handshake, before check_info).
+        self.feature_device: torch.device | None = None
+        self.share_from = share_from
+        self.share_refused = ""  # why a drafter could not map the table: bytes from then on
+        self._offered: int | None = None  # data_ptr of the table this stream was offered
         self.channel_options = channel_options or grpc_common.ChannelOptions()
         self.max_step_bytes = step_feature_bytes(self.channel_options.max_message_bytes, 0)
         self.handshake = pb.HandshakeRequest()
@@ -346,12 +355,14 @@ class DrafterLink(_StepResults):
     def send(self, step: pb.DraftStep, features: dict[str, torch.Tensor]) -> asyncio.Future | None:
         """Queues `step` for the stream's writer (its step_id is assigned here) and returns at once; the
         future resolves to its DraftResult, or None (a failed write drops the stream). Returns None, sending
-        nothing, when disconnected or when max_in_flight steps are unanswered. `features` must be empty:
-        over a stream they travel in the step (feature_device is None)."""
-        if features:
-            raise ValueError("a remote drafter's features travel in the step, not as tensors")
+        nothing, when disconnected or when max_in_flight steps are unanswered. `features`: the updates'
+        rows of the shared table by request id, sent as row numbers; empty where the step carries bytes."""
+        if features and self.feature_device is None:
+            raise ValueError("this stream's features travel in the step as bytes, not as tensors")
         if not self.can_send():
             return None
+        if features:
+            self._name_rows(step, features)
         step.step_id = self._next_step
         self._next_step += 1
         future = asyncio.get_running_loop().create_future()
@@ -359,6 +370,25 @@ class DrafterLink(_StepResults):
         self._outbox.put_nowait(step)
         round_trace.mark("v.send", len(step.wants))
         return future
+
+    def _name_rows(self, step: pb.DraftStep, features: dict[str, torch.Tensor]) -> None:
+        """Each update's rows as their first row's number in the table they are views of (rows of one
+        contiguous [rows, width] tensor that starts its storage), offering the table on its first use."""
+        for update in step.updates:
+            rows = features.get(update.request_id)
+            if rows is None:
+                continue
+            width = rows.shape[1]
+            if not rows.is_contiguous() or rows.storage_offset() % width:
+                raise ValueError("shared features must be whole rows of the feature table")
+            storage = rows.untyped_storage()
+            if storage.data_ptr() != self._offered:
+                table = torch.empty(0, dtype=rows.dtype, device=rows.device)
+                table.set_(storage, 0, (storage.nbytes() // (width * rows.element_size()), width))
+                step.shared_features.CopyFrom(describe(table))
+                self._offered = storage.data_ptr()
+            kind = update.WhichOneof("kind")
+            getattr(update, kind).shared_row = rows.storage_offset() // width
 
     # ------------------------------------------------------------------------------------------ stream
 
@@ -400,10 +430,13 @@ class DrafterLink(_StepResults):
         response = await stub.Handshake(self.handshake, timeout=5.0, wait_for_ready=False)
         if not response.ok:
             raise HandshakeRefused(response.message or "drafter said no without a reason")
+        shares = (self.share_from is not None and not self.share_refused
+                  and response.drafter.shared_features_host == host_id())
+        self.feature_device, self._offered = (self.share_from if shares else None), None
         self.check_info(response.drafter)
         self.info = response.drafter
-        self.max_step_bytes = step_feature_bytes(self.channel_options.max_message_bytes,
-                                                 response.drafter.max_message_bytes)
+        self.max_step_bytes = float("inf") if shares else step_feature_bytes(
+            self.channel_options.max_message_bytes, response.drafter.max_message_bytes)
         if self.socket_path is None:
             self._call = call = stub.Draft()
         else:
@@ -413,7 +446,7 @@ class DrafterLink(_StepResults):
         self.epoch += 1
         self.last_error = ""
         log.info("drafter connected", extra={"drafter": self.target, "head": response.drafter.head,
-                                             "step_socket": self.socket_path})
+                                             "step_socket": self.socket_path, "shared_features": shares})
         self.on_connect()
         return time.perf_counter()
 
@@ -458,6 +491,10 @@ class DrafterLink(_StepResults):
                 raise OSError("drafter closed the Draft stream")
             round_trace.mark("v.answer")
             self.metrics.rpc_bytes["received"].inc(result.ByteSize())
+            if result.shared_features_error:  # the steps after it name rows it cannot read: start over
+                self.share_refused = result.shared_features_error
+                raise OSError(f"the drafter could not map the shared features ({self.share_refused}); "
+                              f"features go as bytes from now on")
             pending = self._pending.pop(result.step_id, None)
             if pending is None:
                 self.metrics.bad_payloads.labels(reason="unknown_request").inc()

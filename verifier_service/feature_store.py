@@ -38,6 +38,7 @@ class FeatureStore:
         the tables come from (the target's), when it is another GPU than `device`."""
         self.rows = torch.empty(slots, max_context, width, dtype=dtype, device=device)
         self._columns = columns if isinstance(columns, slice) else torch.as_tensor(columns)
+        self._picked = columns if isinstance(columns, slice) else tuple(columns.tolist())
         device = torch.device(device)
         crossing = device.type == "cuda" and source is not None and torch.device(source) != device
         self._stream = torch.cuda.Stream(device) if crossing else None
@@ -54,6 +55,13 @@ class FeatureStore:
             self.rows[where[0], where[1]] = picked.to(self.rows.device, self.rows.dtype)
             if self._written is not None:
                 self._written.record(self._stream)
+
+    def holds(self, columns: slice | np.ndarray, width: int, dtype: torch.dtype, device: torch.device
+              ) -> bool:
+        """Whether this store keeps what a drafter asking for these columns, width, dtype and device takes."""
+        picked = columns if isinstance(columns, slice) else tuple(columns.tolist())
+        return (picked == self._picked and self.rows.shape[-1] == width and self.rows.dtype == dtype
+                and self.rows.device == torch.device(device))
 
     def ready(self) -> None:
         """Makes the current stream of the store's device (the drafter's) wait for every write queued so far:

@@ -598,7 +598,7 @@ class Scheduler:
         wanted = wanted or {}
         settled = []
         for i, r in enumerate(live):
-            if step.features is not None:
+            if step.features is not None and r.features is not None:  # None: kept in the store instead
                 r.features.append(step.features[i])
             r.next_drafts = r.next_branch = None
             if r.live:  # an abort that came in during the step wins: nothing more is streamed
@@ -914,13 +914,12 @@ class Scheduler:
         graph = self.engine.prefill_graphs is not None
         self.metrics.forward_steps_by_mode["cuda_graph" if graph else "eager"].inc()
         none = BatchDrafts([[] for _ in admitted], None)
-        tokens = self._sample(out.logits, admitted, none).token_lists()
-        if self.link is None:
-            return _Step(tokens, None)
-        if self._store is not None:
+        if self._store is not None:  # before the sampler, whose tokens read back mean the rows are written
             self._store.write(self._feature_table(out.hidden, out.aux_hidden),
                               [r.slot for r in admitted for _ in r.prompt],
                               [i for r in admitted for i in range(len(r.prompt))])
+        tokens = self._sample(out.logits, admitted, none).token_lists()
+        if self.link is None or self._store is not None:
             return _Step(tokens, None)
         table = read_back(self._feature_table(out.hidden, out.aux_hidden))
         rows, first, features = as_numpy(table), 0, []
@@ -1082,8 +1081,12 @@ class Scheduler:
         self._feature_columns, self._feature_dtype = columns, dtype
         self._feature_row_bytes = width * dtype.itemsize
         device = self.link.feature_device
-        self._store = None if device is None else FeatureStore(
-            self.engine.max_slots, self.max_context, columns, width, dtype, device, self.engine.device)
+        if device is None:
+            self._store = None
+        elif self._store is None or not self._store.holds(columns, width, dtype, device):
+            self._store = FeatureStore(self.engine.max_slots, self.max_context, columns, width, dtype, device,
+                                       self.engine.device)
+        # else the store of the last stream: live requests' rows are in it, so they can be re-sent whole
 
     def _on_drafter_connect(self) -> None:
         """A fresh stream holds nothing: every live request is re-sent whole with its next step."""
@@ -1163,6 +1166,8 @@ class Scheduler:
         tensors: dict[str, torch.Tensor] = {}  # features handed over as tensors (the store's views)
         for r in group:
             start = r.drafter_len
+            if (r.features is None) == (self._store is None):
+                continue  # its features are not where this stream takes them (the link changed): undrafted
             if start < len(r.tokens):
                 first, end = self._feature_rows(r, start)
                 need = (end - first) * self._feature_row_bytes

@@ -174,6 +174,7 @@ class VerifierSettings:
 
     drafter: str | None = None  # HOST:PORT; None = target-only
     drafter_socket: str | None = None  # the drafter's step socket (same host): the Draft stream goes over it
+    shared_features: bool = True  # a drafter on this host maps the feature table (specwire.shared_features)
     drafter_channel: grpc_common.ChannelOptions = grpc_common.ChannelOptions()
     step_timeout: float = 1.0  # seconds a step waits for its drafts before verifying without them
     scheduler: SchedulerConfig = SchedulerConfig()
@@ -205,8 +206,9 @@ class VerifierServer:
                ) -> None:
         s = self.settings
         if link is None and s.drafter:
+            share = s.shared_features and engine.device.type == "cuda"
             link = DrafterLink(s.drafter, self.metrics, s.drafter_channel, step_timeout=s.step_timeout,
-                               socket_path=s.drafter_socket)
+                               socket_path=s.drafter_socket, share_from=engine.device if share else None)
         self.scheduler = Scheduler(engine, tokenizer, self.metrics, s.scheduler, link)
         m = self.metrics
         m.max_requests_waiting.set(s.scheduler.max_waiting)

@@ -60,7 +60,7 @@ class HandshakeRequest(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., feature_dim: _Optional[int] = ..., num_layers: _Optional[int] = ...) -> None: ...
 
 class DrafterInfo(_message.Message):
-    __slots__ = ("head", "feature_dim", "aux_layers", "max_num_drafts", "max_requests", "feature_dtype", "max_branches", "chains", "max_message_bytes")
+    __slots__ = ("head", "feature_dim", "aux_layers", "max_num_drafts", "max_requests", "feature_dtype", "max_branches", "chains", "max_message_bytes", "shared_features_host")
     HEAD_FIELD_NUMBER: _ClassVar[int]
     FEATURE_DIM_FIELD_NUMBER: _ClassVar[int]
     AUX_LAYERS_FIELD_NUMBER: _ClassVar[int]
@@ -70,6 +70,7 @@ class DrafterInfo(_message.Message):
     MAX_BRANCHES_FIELD_NUMBER: _ClassVar[int]
     CHAINS_FIELD_NUMBER: _ClassVar[int]
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SHARED_FEATURES_HOST_FIELD_NUMBER: _ClassVar[int]
     head: str
     feature_dim: int
     aux_layers: _containers.RepeatedScalarFieldContainer[int]
@@ -79,7 +80,8 @@ class DrafterInfo(_message.Message):
     max_branches: int
     chains: bool
     max_message_bytes: int
-    def __init__(self, head: _Optional[str] = ..., feature_dim: _Optional[int] = ..., aux_layers: _Optional[_Iterable[int]] = ..., max_num_drafts: _Optional[int] = ..., max_requests: _Optional[int] = ..., feature_dtype: _Optional[_Union[DType, str]] = ..., max_branches: _Optional[int] = ..., chains: _Optional[bool] = ..., max_message_bytes: _Optional[int] = ...) -> None: ...
+    shared_features_host: str
+    def __init__(self, head: _Optional[str] = ..., feature_dim: _Optional[int] = ..., aux_layers: _Optional[_Iterable[int]] = ..., max_num_drafts: _Optional[int] = ..., max_requests: _Optional[int] = ..., feature_dtype: _Optional[_Union[DType, str]] = ..., max_branches: _Optional[int] = ..., chains: _Optional[bool] = ..., max_message_bytes: _Optional[int] = ..., shared_features_host: _Optional[str] = ...) -> None: ...
 
 class HandshakeResponse(_message.Message):
     __slots__ = ("ok", "message", "drafter", "protocol_version")
@@ -94,22 +96,26 @@ class HandshakeResponse(_message.Message):
     def __init__(self, ok: _Optional[bool] = ..., message: _Optional[str] = ..., drafter: _Optional[_Union[DrafterInfo, _Mapping]] = ..., protocol_version: _Optional[int] = ...) -> None: ...
 
 class NewRequest(_message.Message):
-    __slots__ = ("token_ids", "features")
+    __slots__ = ("token_ids", "features", "shared_row")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
+    SHARED_ROW_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     features: Tensor
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., features: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    shared_row: int
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., features: _Optional[_Union[Tensor, _Mapping]] = ..., shared_row: _Optional[int] = ...) -> None: ...
 
 class Accepted(_message.Message):
-    __slots__ = ("position", "token_ids", "features")
+    __slots__ = ("position", "token_ids", "features", "shared_row")
     POSITION_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
+    SHARED_ROW_FIELD_NUMBER: _ClassVar[int]
     position: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     features: Tensor
-    def __init__(self, position: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., features: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    shared_row: int
+    def __init__(self, position: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., features: _Optional[_Union[Tensor, _Mapping]] = ..., shared_row: _Optional[int] = ...) -> None: ...
 
 class Free(_message.Message):
     __slots__ = ()
@@ -150,14 +156,40 @@ class DraftWant(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., num_drafts: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., num_branches: _Optional[int] = ..., verifying_branch: _Optional[int] = ..., keep_chain: _Optional[bool] = ..., verifying_chain: _Optional[bool] = ...) -> None: ...
 
 class DraftStep(_message.Message):
-    __slots__ = ("step_id", "updates", "wants")
+    __slots__ = ("step_id", "updates", "wants", "shared_features")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     UPDATES_FIELD_NUMBER: _ClassVar[int]
     WANTS_FIELD_NUMBER: _ClassVar[int]
+    SHARED_FEATURES_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     updates: _containers.RepeatedCompositeFieldContainer[RequestUpdate]
     wants: _containers.RepeatedCompositeFieldContainer[DraftWant]
-    def __init__(self, step_id: _Optional[int] = ..., updates: _Optional[_Iterable[_Union[RequestUpdate, _Mapping]]] = ..., wants: _Optional[_Iterable[_Union[DraftWant, _Mapping]]] = ...) -> None: ...
+    shared_features: SharedFeatures
+    def __init__(self, step_id: _Optional[int] = ..., updates: _Optional[_Iterable[_Union[RequestUpdate, _Mapping]]] = ..., wants: _Optional[_Iterable[_Union[DraftWant, _Mapping]]] = ..., shared_features: _Optional[_Union[SharedFeatures, _Mapping]] = ...) -> None: ...
+
+class SharedFeatures(_message.Message):
+    __slots__ = ("device_uuid", "memory_handle", "storage_size_bytes", "storage_offset_bytes", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required", "shape", "dtype")
+    DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_OFFSET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNTER_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNTER_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    EVENT_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    EVENT_SYNC_REQUIRED_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    device_uuid: str
+    memory_handle: bytes
+    storage_size_bytes: int
+    storage_offset_bytes: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes
+    event_sync_required: bool
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    dtype: DType
+    def __init__(self, device_uuid: _Optional[str] = ..., memory_handle: _Optional[bytes] = ..., storage_size_bytes: _Optional[int] = ..., storage_offset_bytes: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
 
 class SparseProbs(_message.Message):
     __slots__ = ("indices", "values")
@@ -194,15 +226,17 @@ class Proposal(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., probs_kind: _Optional[_Union[ProbsKind, str]] = ..., probs: _Optional[_Union[Tensor, _Mapping]] = ..., sparse: _Optional[_Union[SparseProbs, _Mapping]] = ..., branch: _Optional[_Union[Branch, _Mapping]] = ...) -> None: ...
 
 class DraftResult(_message.Message):
-    __slots__ = ("step_id", "proposals", "error", "compute_seconds", "dropped_request_ids")
+    __slots__ = ("step_id", "proposals", "error", "compute_seconds", "dropped_request_ids", "shared_features_error")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     PROPOSALS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     DROPPED_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    SHARED_FEATURES_ERROR_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     proposals: _containers.RepeatedCompositeFieldContainer[Proposal]
     error: str
     compute_seconds: float
     dropped_request_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, step_id: _Optional[int] = ..., proposals: _Optional[_Iterable[_Union[Proposal, _Mapping]]] = ..., error: _Optional[str] = ..., compute_seconds: _Optional[float] = ..., dropped_request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    shared_features_error: str
+    def __init__(self, step_id: _Optional[int] = ..., proposals: _Optional[_Iterable[_Union[Proposal, _Mapping]]] = ..., error: _Optional[str] = ..., compute_seconds: _Optional[float] = ..., dropped_request_ids: _Optional[_Iterable[str]] = ..., shared_features_error: _Optional[str] = ...) -> None: ...

@@ -1,0 +1,187 @@
+"""Features shared in GPU memory (specwire.shared_features): a drafter on the verifier's host maps the
+verifier's feature table once per stream, and the steps name rows of it instead of carrying bytes.
+
+On the CPU the protocol runs whole, over real gRPC between a real verifier link and a real drafter service,
+with only the CUDA mapping swapped for an in-process lookup of the same table: the drafter must be handed
+the target's own feature for every token (the check of test_colocated_features), and a drafter that cannot
+map gets bytes and loses no request. On a GPU machine the mapping itself: a table described here is opened
+by another process, which reads the same rows and copies them to another GPU, as a drafter does.
+"""
+
+import asyncio
+import subprocess
+import sys
+
+import grpc
+import numpy as np
+import pytest
+import torch
+from specwire.drafter import server as drafter_server
+from specwire.verifier import drafter_link
+from specwire.verifier.drafter_link import DrafterLink
+from test_colocated_features import (
+    assert_handed_the_target_features,
+    drafter_service,
+    generate,
+    recording_drafter,
+)
+
+from specwire import grpc_common
+from specwire.metrics import VerifierMetrics
+from specwire.shared_features import describe, host_id, open_table
+from specwire.v1 import drafter_pb2 as pb
+from specwire.v1 import drafter_pb2_grpc
+from specwire.wire import WireError
+
+
+@pytest.fixture
+def in_process_mapping(monkeypatch):
+    """describe / open_table by a lookup of the very table (CUDA IPC cannot map within one process)."""
+    tables = {}
+
+    def fake_describe(table):
+        key = f"in-process-{len(tables)}"
+        tables[key] = table
+        return pb.SharedFeatures(device_uuid=key, shape=list(table.shape), dtype=pb.DTYPE_FLOAT32)
+
+    monkeypatch.setattr(drafter_link, "describe", fake_describe)
+    monkeypatch.setattr(drafter_server, "open_table", lambda message: tables[message.device_uuid])
+    return tables
+
+
+async def generate_over_grpc(service, engine, cache_branches: int, metrics: VerifierMetrics):
+    server = grpc_common.GrpcServer(grpc_common.ServerOptions(listen="127.0.0.1:0"))
+    server.add_service(grpc_common.DRAFTER_SERVICE, drafter_pb2_grpc.add_DrafterServicer_to_server, service)
+    port = await server.start()
+    await server.set_serving(True)
+    link = DrafterLink(f"127.0.0.1:{port}", metrics, step_timeout=5.0, share_from=engine.device)
+    try:
+        return link, await generate(engine, link, cache_branches, queue_drafts=False)
+    finally:
+        await server.drain(0)
+
+
+@pytest.mark.parametrize("cache_branches, carry_rows", [(0, 0), (4, 0), (0, 16), (4, 16)],
+                         ids=["serial", "tables", "serial_carried", "tables_carried"])
+def test_rows_named_in_the_shared_table_are_the_target_features(in_process_mapping, cache_branches,
+                                                                 carry_rows):
+    config, sd, head, engine, proposer, handed = recording_drafter("cpu", "cpu", cache_branches, carry_rows)
+    service = drafter_service(proposer, config)
+    service.info.shared_features_host = host_id()  # what a GPU drafter says
+    metrics = VerifierMetrics()
+    link, (outputs, carried) = asyncio.run(generate_over_grpc(service, engine, cache_branches, metrics))
+    assert link.feature_device == engine.device and not link.share_refused
+    assert len(in_process_mapping) == 1, "one table offered, on the stream's first step that named rows"
+    assert (carried > 0) == (carry_rows > 0)
+    # a stream's id is its number on the drafter: the only stream here is 0
+    assert_handed_the_target_features(handed, outputs, config, sd, head, "cpu")
+    # the steps named rows: a token's features (3 x 64 float32) would have made them far larger
+    sent = metrics.rpc_bytes["sent"]._value.get()
+    tokens = sum(len(t) for t in outputs)
+    assert sent < tokens * 3 * config.hidden_size * 4 / 4, f"{sent} bytes sent for {tokens} tokens"
+
+
+def test_a_drafter_that_cannot_map_gets_bytes_and_every_request_completes():
+    """A CPU drafter that says it maps (as one whose GPU cannot see the verifier's would): the real
+    open_table refuses, the link starts over with bytes, and the drafter is handed the target's features."""
+    config, sd, head, engine, proposer, handed = recording_drafter("cpu", "cpu", 0, 0)
+    service = drafter_service(proposer, config)
+    service.info.shared_features_host = host_id()
+    offered = []
+
+    def offer(table):  # a well-formed offer of a table no GPU holds
+        offered.append(table)
+        return pb.SharedFeatures(device_uuid="GPU-none", shape=list(table.shape), dtype=pb.DTYPE_FLOAT32,
+                                 storage_size_bytes=table.numel() * 4)
+
+    original = drafter_link.describe
+    drafter_link.describe = offer
+    try:
+        link, (outputs, _) = asyncio.run(generate_over_grpc(service, engine, 0, VerifierMetrics()))
+    finally:
+        drafter_link.describe = original
+    assert len(offered) == 1 and "shared features" in link.share_refused
+    assert link.feature_device is None, "the stream after the refusal carries bytes"
+    assert all(len(t) > 30 for t in outputs)  # every request ran to max_tokens
+    # requests admitted after the refusal are drafted from bytes on the next stream (1), target features all;
+    # those the refused stream held go undrafted (their features are in the table, not on the host)
+    late = {int(key.split("/")[1]) for key in handed if key.startswith("1/")}
+    assert late, "the drafter was never handed features as bytes after the refusal"
+    assert_handed_the_target_features(handed, outputs, config, sd, head, "cpu", stream=1, only=late)
+
+
+def test_a_row_reference_without_a_table_is_dropped_with_its_reason():
+    config, sd, head, engine, proposer, handed = recording_drafter("cpu", "cpu", 0, 0)
+    service = drafter_service(proposer, config)
+
+    async def run():
+        server = grpc_common.GrpcServer(grpc_common.ServerOptions(listen="127.0.0.1:0"))
+        server.add_service(grpc_common.DRAFTER_SERVICE, drafter_pb2_grpc.add_DrafterServicer_to_server,
+                           service)
+        port = await server.start()
+        await server.set_serving(True)
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                call = drafter_pb2_grpc.DrafterStub(channel).Draft()
+                step = pb.DraftStep(step_id=1)
+                offer = step.shared_features
+                offer.device_uuid, offer.dtype = "GPU-x", pb.DTYPE_FLOAT32
+                offer.shape.extend([8, 3 * config.hidden_size])
+                update = step.updates.add(request_id="a")
+                update.new_request.token_ids.extend([5, 6, 7])
+                update.new_request.shared_row = 0
+                await call.write(step)
+                first = await call.read()
+                second_step = pb.DraftStep(step_id=2)
+                update = second_step.updates.add(request_id="b")
+                update.new_request.token_ids.extend([5, 6, 7])
+                update.new_request.shared_row = 0
+                await call.write(second_step)
+                second = await call.read()
+                await call.done_writing()
+                return first, second
+        finally:
+            await server.drain(0)
+
+    first, second = asyncio.run(run())
+    assert "does not map them" in first.shared_features_error  # a CPU drafter says so in the handshake
+    assert list(first.dropped_request_ids) == ["a"] and list(second.dropped_request_ids) == ["b"]
+    assert not second.shared_features_error and not handed
+    with pytest.raises(WireError, match="offered no shared table"):
+        drafter_server.shared_rows(None, 0, 2)
+    with pytest.raises(WireError, match=r"shared rows \[6, 10\) past the table's 8"):
+        drafter_server.shared_rows(torch.zeros(8, 4), 6, 4)
+
+
+CHILD = """
+import sys, numpy as np, torch
+from specwire.shared_features import open_table
+from specwire.v1 import drafter_pb2 as pb
+table = open_table(pb.SharedFeatures.FromString(sys.stdin.buffer.read()))
+rows = table[3:7].to("cuda:0").float().cpu().numpy()  # to the first GPU, as a drafter copies them
+sys.stdout.buffer.write(rows.tobytes())
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_another_process_maps_the_table_and_reads_its_rows():
+    device = torch.device("cuda", torch.cuda.device_count() - 1)
+    table = torch.randn(64, 96, device=device).to(torch.bfloat16)
+    offer = describe(table)
+    assert offer.device_uuid and list(offer.shape) == [64, 96]
+    child = subprocess.run([sys.executable, "-c", CHILD], input=offer.SerializeToString(),
+                           capture_output=True, timeout=120)
+    assert child.returncode == 0, child.stderr.decode()[-2000:]
+    got = np.frombuffer(child.stdout, dtype=np.float32).reshape(4, 96)
+    np.testing.assert_array_equal(got, table[3:7].float().cpu().numpy())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_table_of_a_gpu_this_process_cannot_see_is_refused_by_name():
+    table = torch.zeros(4, 8, device="cuda")
+    offer = describe(table)
+    offer.device_uuid = "GPU-00000000-0000-0000-0000-000000000000"
+    with pytest.raises(WireError, match="is not visible to this drafter"):
+        open_table(offer)
