@@ -33,7 +33,7 @@ from specwire import round_trace
 from specwire.config import ModelConfig
 from specwire.grpc_common import DEFAULT_MAX_MESSAGE_BYTES
 from specwire.metrics import DrafterMetrics
-from specwire.shared_features import host_id, open_table, shared_rows
+from specwire.shared_features import host_id, open_table, shared_rows, visible_gpus
 from specwire.staging import upload
 from specwire.step_profiler import StepProfiler
 from specwire.step_socket import FrameError, MessageSocket
@@ -114,8 +114,10 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
             max_num_drafts=proposer.max_drafts, max_requests=proposer.max_requests,
             max_branches=proposer.max_branches, chains=proposer.max_branches > 0,
             feature_dtype=_FEATURE_DTYPES[proposer.head.dtype], max_message_bytes=self.max_message_bytes,
-            shared_features_host=host_id() if self.shared_features and proposer.device.type == "cuda" else "",
         )
+        if self.shared_features and proposer.device.type == "cuda":
+            self.info.shared_features_host = host_id()
+            self.info.shared_features_gpus.extend(visible_gpus())
         self.proposer = proposer
 
     # ------------------------------------------------------------------------------------------ RPCs

@@ -33,7 +33,14 @@ def host_id() -> str:
 
 
 def device_uuid(device: torch.device) -> str:
-    return str(torch.cuda.get_device_properties(device).uuid)
+    """A device's identity across processes: a GPU's UUID; any other device's name (for CPU tests)."""
+    device = torch.device(device)
+    return str(torch.cuda.get_device_properties(device).uuid) if device.type == "cuda" else str(device)
+
+
+def visible_gpus() -> list[str]:
+    """The UUIDs of the GPUs this process can see, so can map memory of."""
+    return [device_uuid(torch.device("cuda", i)) for i in range(torch.cuda.device_count())]
 
 
 def describe(table: torch.Tensor) -> pb.SharedFeatures:
@@ -66,8 +73,7 @@ def open_table(message: pb.SharedFeatures) -> torch.Tensor:
                         f"the storage holds {message.storage_size_bytes}")
     if not torch.cuda.is_available():
         raise WireError("shared features: this drafter has no GPU")
-    index = next((i for i in range(torch.cuda.device_count())
-                  if device_uuid(torch.device("cuda", i)) == message.device_uuid), None)
+    index = next((i for i, uuid in enumerate(visible_gpus()) if uuid == message.device_uuid), None)
     if index is None:
         raise WireError(f"shared features: GPU {message.device_uuid} is not visible to this drafter "
                         f"(CUDA_VISIBLE_DEVICES)")

@@ -67,7 +67,8 @@ def test_rows_named_in_the_shared_table_are_the_target_features(in_process_mappi
                                                                  carry_rows):
     config, sd, head, engine, proposer, handed = recording_drafter("cpu", "cpu", cache_branches, carry_rows)
     service = drafter_service(proposer, config)
-    service.info.shared_features_host = host_id()  # what a GPU drafter says
+    service.info.shared_features_host = host_id()  # what a GPU drafter that sees this device says
+    service.info.shared_features_gpus.append("cpu")
     metrics = VerifierMetrics()
     link, (outputs, carried) = asyncio.run(generate_over_grpc(service, engine, cache_branches, metrics))
     assert link.feature_device == engine.device and not link.share_refused
@@ -87,6 +88,7 @@ def test_a_drafter_that_cannot_map_gets_bytes_and_every_request_completes():
     config, sd, head, engine, proposer, handed = recording_drafter("cpu", "cpu", 0, 0)
     service = drafter_service(proposer, config)
     service.info.shared_features_host = host_id()
+    service.info.shared_features_gpus.append("cpu")
     offered = []
 
     def offer(table):  # a well-formed offer of a table no GPU holds

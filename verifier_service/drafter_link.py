@@ -27,7 +27,7 @@ from specwire.verifier.alignment import Drafts, Want
 
 from specwire import grpc_common, round_trace
 from specwire.metrics import VerifierMetrics
-from specwire.shared_features import describe, host_id
+from specwire.shared_features import describe, device_uuid, host_id
 from specwire.step_socket import FrameError, MessageSocket
 from specwire.v1 import drafter_pb2 as pb
 from specwire.v1 import drafter_pb2_grpc
@@ -431,7 +431,8 @@ class DrafterLink(_StepResults):
         if not response.ok:
             raise HandshakeRefused(response.message or "drafter said no without a reason")
         shares = (self.share_from is not None and not self.share_refused
-                  and response.drafter.shared_features_host == host_id())
+                  and response.drafter.shared_features_host == host_id()
+                  and device_uuid(self.share_from) in response.drafter.shared_features_gpus)
         self.feature_device, self._offered = (self.share_from if shares else None), None
         self.check_info(response.drafter)
         self.info = response.drafter

@@ -246,6 +246,7 @@ class _Launch(NamedTuple):
     queued: list[int]  # rows whose next drafts are queued behind the sampler
     wants: list[Want]  # and what was asked for each
     carried: list[Request]  # requests whose prompts the forward prefilled
+    read_back: bool  # the features went to the host (no store when it was launched), to be picked there
 
 
 class Scheduler:
@@ -914,12 +915,13 @@ class Scheduler:
         graph = self.engine.prefill_graphs is not None
         self.metrics.forward_steps_by_mode["cuda_graph" if graph else "eager"].inc()
         none = BatchDrafts([[] for _ in admitted], None)
-        if self._store is not None:  # before the sampler, whose tokens read back mean the rows are written
-            self._store.write(self._feature_table(out.hidden, out.aux_hidden),
-                              [r.slot for r in admitted for _ in r.prompt],
-                              [i for r in admitted for i in range(len(r.prompt))])
+        store = self._store  # the loop may replace it meanwhile (a new drafter stream): this step keeps one
+        if store is not None:  # before the sampler, whose tokens read back mean the rows are written
+            store.write(self._feature_table(out.hidden, out.aux_hidden),
+                        [r.slot for r in admitted for _ in r.prompt],
+                        [i for r in admitted for i in range(len(r.prompt))])
         tokens = self._sample(out.logits, admitted, none).token_lists()
-        if self.link is None or self._store is not None:
+        if self.link is None or store is not None:
             return _Step(tokens, None)
         table = read_back(self._feature_table(out.hidden, out.aux_hidden))
         rows, first, features = as_numpy(table), 0, []
@@ -964,10 +966,11 @@ class Scheduler:
         # Every fed row's features start towards the drafter now, overlapping the sampler: into the store
         # (rows of rejected drafts are rewritten next round), or to the host, where the settled rows are
         # picked once the sampler has said how many there are.
-        if self._store is not None:
+        store = self._store  # the loop may replace it meanwhile (a new drafter stream): this launch keeps one
+        if store is not None:
             fed = [*zip(live, starts, batch.num_drafts, strict=True),
                    *((r, 0, len(r.prompt) - 1) for r in carry)]  # a prompt: as a row of len - 1 drafts
-            self._store.write(self._feature_table(out.hidden, out.aux_hidden),
+            store.write(self._feature_table(out.hidden, out.aux_hidden),
                               [r.slot for r, _, k in fed for _ in range(k + 1)],
                               [start + j for _, start, k in fed for j in range(k + 1)])
         elif self.link is not None:
@@ -980,18 +983,19 @@ class Scheduler:
         round_trace.mark("v.sampler_queued")
         queue, wants = list(queue), [self._want_for(live[i], self._num_drafts(live[i])) for i in queue]
         T = self.link.info.max_num_drafts + 1 if queue else 0
-        cells = [c for i in queue for c in self._store.cells(live[i].slot, starts[i], T)]
+        cells = [c for i in queue for c in store.cells(live[i].slot, starts[i], T)]
         if queue:  # the tokens come back as soon as the sampler is done, while the drafts are drafted
             self._tokens_back.start(sampled.packed)
-            self._store.ready()
+            store.ready()
         if queue and not self.link.queue_drafts([live[i].id for i in queue], wants, sampled.packed, queue,
-                                                self._store.flat, cells):
+                                                store.flat, cells):
             for i in queue:
                 self._resend_whole(live[i])
             queue, wants = [], []
         self.metrics.queued_drafts.inc(len(queue))
         round_trace.mark("v.drafts_queued")
-        return _Launch(started, batch.num_drafts, sampled, queue, wants, carry)
+        return _Launch(started, batch.num_drafts, sampled, queue, wants, carry,
+                       self.link is not None and store is None)
 
     @torch.inference_mode()
     def _collect_verification(self, launch: _Launch) -> _Step:
@@ -1004,7 +1008,7 @@ class Scheduler:
             raise
         round_trace.mark("v.tokens")
         features = dtype = None
-        if self.link is not None and self._store is None:
+        if launch.read_back:
             # The rows the target ran on whose next token is now settled, as views of the readback buffer:
             # _round copies them into each request's FeatureRows before the next verification reuses it.
             table = self._readback.wait()
