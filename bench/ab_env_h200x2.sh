@@ -3,7 +3,7 @@
 # $VAR, alternately (VALUES="0 10": 0, 10, 0, 10 with ROUNDS=2), each into $OUT/<value>_<round>/ (packed as
 # <value>_<round>.tgz at the end) and followed by services_table.py. Every service the benchmark starts
 # inherits the variable (SPECWIRE_ADMIT_WAIT_MS, SPECWIRE_SWITCH_INTERVAL, SPECWIRE_STREAM_INTERVAL, ...).
-# SmolLM2, after the eighteen staging calls (run_services_h200x2.sh `stage aa.0` ... `stage ac.5`),
+# SmolLM2, after the twenty-four staging calls (run_services_h200x2.sh `stage aa.0` ... `stage ac.7`),
 # carry [".devcarry/wmin"]:
 #   VAR=SPECWIRE_ADMIT_WAIT_MS VALUES="0 10" SPECWIRE_COMMIT=<sha> bash bench/ab_env_h200x2.sh \
 #       --workloads smollm2 --setups target_only,colocated --smollm2-cache off --batch-sizes 16 \

@@ -8,7 +8,7 @@
 #       --exclude=drafter_service/heads --exclude=bench/results --exclude=docs --exclude=tests --exclude=k8s
 #   (this tree's heads are linked in; the rest is not run, and the carry is at most 64 MiB)
 #
-# SmolLM2, after the eighteen staging calls (run_services_h200x2.sh `stage aa.0` ... `stage ac.5`),
+# SmolLM2, after the twenty-four staging calls (run_services_h200x2.sh `stage aa.0` ... `stage ac.7`),
 # carry [".devcarry/wmin", ".devcarry/old"]:
 #   BEFORE=<sha> AFTER=<sha> bash bench/ab_trees_h200x2.sh --workloads smollm2 --setups target_only,two_gpus_socket \
 #       --smollm2-cache off --batch-sizes 1,16 --temperatures 0 --sweep-ks '' --repeats 20

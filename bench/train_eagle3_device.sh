@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Train the EAGLE-3 head for the default model on one lent GPU, and measure it beside the shipped head.
 # Calls, one straight after the other (the machine stays warm 30 s between them):
-#   eighteen calls, carry [".devcarry/smol.part.XX.N"]:  bash bench/run_services_h200x2.sh stage XX.N
-#     (XX.N = aa.0 ... ac.5: the model in sixths, as the 59 MB tree now asks)
+#   twenty-four calls, carry [".devcarry/smol.part.XX.N"]:  bash bench/run_services_h200x2.sh stage XX.N
+#     (XX.N = aa.0 ... ac.7: the model in eighths, as the 62 MB tree now asks)
 #   (to continue from a head brought back earlier, in .devcarry/init_head:
 #    carry [".devcarry/init_head"]:  bash bench/train_eagle3_device.sh stage-head
 #    or, where it and the tree pass the 64 MiB carry limit, in parts, one call per folder:
