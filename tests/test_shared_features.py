@@ -3,8 +3,9 @@ verifier's feature table once per stream, and the steps name rows of it instead 
 
 On the CPU the protocol runs whole, over real gRPC between a real verifier link and a real drafter service,
 with only the CUDA mapping swapped for an in-process lookup of the same table: the drafter must be handed
-the target's own feature for every token (the check of test_colocated_features), and a drafter that cannot
-map gets bytes and loses no request. On a GPU machine the mapping itself: a table described here is opened
+the target's own feature for every token (the check of test_colocated_features), also for requests re-sent
+whole after the stream broke (the table outlives it), and a drafter that cannot map gets bytes and loses no
+request. On a GPU machine the mapping itself: a table described here is opened
 by another process, which reads the same rows and copies them to another GPU, as a drafter does.
 """
 
@@ -27,8 +28,9 @@ from test_colocated_features import (
 )
 
 from specwire import grpc_common
-from specwire.metrics import VerifierMetrics
+from specwire.metrics import DrafterMetrics, VerifierMetrics
 from specwire.shared_features import describe, host_id, open_table
+from specwire.synthetic import synthetic_tokenizer
 from specwire.v1 import drafter_pb2 as pb
 from specwire.v1 import drafter_pb2_grpc
 from specwire.wire import WireError
@@ -80,6 +82,37 @@ def test_rows_named_in_the_shared_table_are_the_target_features(in_process_mappi
     sent = metrics.rpc_bytes["sent"]._value.get()
     tokens = sum(len(t) for t in outputs)
     assert sent < tokens * 3 * config.hidden_size * 4 / 4, f"{sent} bytes sent for {tokens} tokens"
+
+
+class OnceBrokenDrafter(drafter_server.DrafterService):
+    """Ends its first stream with an error at its 6th step, as a drafter restart would."""
+
+    steps = 0
+
+    def run_step(self, stream, owned, step, features=None, draft=True):
+        self.steps += 1
+        if self.steps == 6:
+            raise RuntimeError("the drafter went away")
+        return super().run_step(stream, owned, step, features, draft)
+
+
+def test_after_a_reconnect_live_requests_are_re_sent_whole_from_the_same_table(in_process_mapping):
+    """The store outlives the stream: the next stream is offered the same table, and the requests the first
+    held are re-sent whole as row references into it, handed to the drafter as the target's features."""
+    config, sd, head, engine, proposer, handed = recording_drafter("cpu", "cpu", 0, 0)
+    service = OnceBrokenDrafter(DrafterMetrics())
+    service.load(proposer, config, synthetic_tokenizer(config).fingerprint, "eagle3:random")
+    service.info.shared_features_host = host_id()
+    service.info.shared_features_gpus.append("cpu")
+    link, (outputs, _) = asyncio.run(generate_over_grpc(service, engine, 0, VerifierMetrics()))
+    assert service.steps > 6 and link.epoch == 2 and not link.share_refused
+    assert len(in_process_mapping) == 2  # offered again on the new stream: the same table
+    first, second = in_process_mapping.values()
+    assert first.data_ptr() == second.data_ptr() and first.shape == second.shape
+    resent = {int(key.split("/")[1]) for key in handed if key.startswith("1/")}
+    started_before = {int(key.split("/")[1]) for key in handed if key.startswith("0/")}
+    assert resent & started_before, "no request that the broken stream held was re-sent"
+    assert_handed_the_target_features(handed, outputs, config, sd, head, "cpu", stream=1, only=resent)
 
 
 def test_a_drafter_that_cannot_map_gets_bytes_and_every_request_completes():
