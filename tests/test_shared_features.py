@@ -10,6 +10,7 @@ by another process, which reads the same rows and copies them to another GPU, as
 """
 
 import asyncio
+import contextlib
 import subprocess
 import sys
 
@@ -51,16 +52,23 @@ def in_process_mapping(monkeypatch):
     return tables
 
 
-async def generate_over_grpc(service, engine, cache_branches: int, metrics: VerifierMetrics):
+@contextlib.asynccontextmanager
+async def serving(service):
+    """The drafter service behind a real gRPC server on a free loopback port."""
     server = grpc_common.GrpcServer(grpc_common.ServerOptions(listen="127.0.0.1:0"))
     server.add_service(grpc_common.DRAFTER_SERVICE, drafter_pb2_grpc.add_DrafterServicer_to_server, service)
     port = await server.start()
     await server.set_serving(True)
-    link = DrafterLink(f"127.0.0.1:{port}", metrics, step_timeout=5.0, share_from=engine.device)
     try:
-        return link, await generate(engine, link, cache_branches, queue_drafts=False)
+        yield f"127.0.0.1:{port}"
     finally:
         await server.drain(0)
+
+
+async def generate_over_grpc(service, engine, cache_branches: int, metrics: VerifierMetrics):
+    async with serving(service) as target:
+        link = DrafterLink(target, metrics, step_timeout=5.0, share_from=engine.device)
+        return link, await generate(engine, link, cache_branches, queue_drafts=False)
 
 
 @pytest.mark.parametrize("cache_branches, carry_rows", [(0, 0), (4, 0), (0, 16), (4, 16)],
@@ -149,34 +157,26 @@ def test_a_row_reference_without_a_table_is_dropped_with_its_reason():
     config, sd, head, engine, proposer, handed = recording_drafter("cpu", "cpu", 0, 0)
     service = drafter_service(proposer, config)
 
+    def step_naming_row_0(step_id: int, request_id: str) -> pb.DraftStep:
+        step = pb.DraftStep(step_id=step_id)
+        update = step.updates.add(request_id=request_id)
+        update.new_request.token_ids.extend([5, 6, 7])
+        update.new_request.shared_row = 0
+        return step
+
     async def run():
-        server = grpc_common.GrpcServer(grpc_common.ServerOptions(listen="127.0.0.1:0"))
-        server.add_service(grpc_common.DRAFTER_SERVICE, drafter_pb2_grpc.add_DrafterServicer_to_server,
-                           service)
-        port = await server.start()
-        await server.set_serving(True)
-        try:
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-                call = drafter_pb2_grpc.DrafterStub(channel).Draft()
-                step = pb.DraftStep(step_id=1)
-                offer = step.shared_features
-                offer.device_uuid, offer.dtype = "GPU-x", pb.DTYPE_FLOAT32
-                offer.shape.extend([8, 3 * config.hidden_size])
-                update = step.updates.add(request_id="a")
-                update.new_request.token_ids.extend([5, 6, 7])
-                update.new_request.shared_row = 0
-                await call.write(step)
-                first = await call.read()
-                second_step = pb.DraftStep(step_id=2)
-                update = second_step.updates.add(request_id="b")
-                update.new_request.token_ids.extend([5, 6, 7])
-                update.new_request.shared_row = 0
-                await call.write(second_step)
-                second = await call.read()
-                await call.done_writing()
-                return first, second
-        finally:
-            await server.drain(0)
+        async with serving(service) as target, grpc.aio.insecure_channel(target) as channel:
+            call = drafter_pb2_grpc.DrafterStub(channel).Draft()
+            step = step_naming_row_0(1, "a")
+            offer = step.shared_features
+            offer.device_uuid, offer.dtype = "GPU-x", pb.DTYPE_FLOAT32
+            offer.shape.extend([8, 3 * config.hidden_size])
+            await call.write(step)
+            first = await call.read()
+            await call.write(step_naming_row_0(2, "b"))
+            second = await call.read()
+            await call.done_writing()
+            return first, second
 
     first, second = asyncio.run(run())
     assert "does not map them" in first.shared_features_error  # a CPU drafter says so in the handshake
