@@ -164,6 +164,11 @@ class VerifierMetrics(_ServiceMetrics):
         )
         self.num_requests_running = g("num_requests_running", "Requests in the decode batch.")
         self.num_requests_waiting = g("num_requests_waiting", "Requests queued for a slot.")
+        self.drafter_features_shared = g(
+            "drafter_features_shared",
+            "1 while the drafter's stream takes the target features as rows of this verifier's table in GPU "
+            "memory (CUDA IPC, a drafter on this host), 0 while they travel as bytes or no drafter is "
+            "connected.")
         self.drafter_rpc_latency = h(
             "drafter_rpc_latency_seconds", "DraftStep sent to its DraftResult received.", STEP_BUCKETS
         )

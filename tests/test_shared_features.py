@@ -80,8 +80,12 @@ def test_rows_named_in_the_shared_table_are_the_target_features(in_process_mappi
     service.info.shared_features_host = host_id()  # what a GPU drafter that sees this device says
     service.info.shared_features_gpus.append("cpu")
     metrics = VerifierMetrics()
+    shared = []  # the gauge's values, in order
+    gauge_set = metrics.drafter_features_shared.set
+    metrics.drafter_features_shared.set = lambda value: (shared.append(value), gauge_set(value))
     link, (outputs, carried) = asyncio.run(generate_over_grpc(service, engine, cache_branches, metrics))
     assert link.feature_device == engine.device and not link.share_refused
+    assert shared == [1, 0], "the gauge: 1 at the handshake, 0 when the stream closed with the scheduler"
     assert len(in_process_mapping) == 1, "one table offered, on the stream's first step that named rows"
     assert (carried > 0) == (carry_rows > 0)
     # a stream's id is its number on the drafter: the only stream here is 0

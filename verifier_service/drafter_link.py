@@ -438,6 +438,7 @@ class DrafterLink(_StepResults):
         self.info = response.drafter
         self.max_step_bytes = float("inf") if shares else step_feature_bytes(
             self.channel_options.max_message_bytes, response.drafter.max_message_bytes)
+        self.metrics.drafter_features_shared.set(int(shares))
         if self.socket_path is None:
             self._call = call = stub.Draft()
         else:
@@ -518,6 +519,7 @@ class DrafterLink(_StepResults):
         call.cancel()
         self._writer.cancel()
         self._call = None
+        self.metrics.drafter_features_shared.set(0)
         for pending in self._pending.values():
             if not pending.future.done():
                 pending.future.set_result(None)
