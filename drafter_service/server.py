@@ -255,9 +255,12 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
                     refs.append((update.request_id, holder.shared_row, count))
         if not refs:
             return {}
-        rows = upload(torch.cat([torch.arange(first, first + n) for _, first, n in refs]), table.device)
-        packed = table.index_select(0, rows).to(self.proposer.device)
-        return dict(zip((rid for rid, _, _ in refs), packed.split([n for _, _, n in refs]), strict=True))
+        firsts, counts = np.array([first for _, first, _ in refs]), np.array([n for _, _, n in refs])
+        # each ref's rows first .. first + n - 1, for all refs at once: a ref's first row, less the rows of
+        # the refs before it, repeated n times, plus the running row count
+        rows = np.repeat(firsts - (np.cumsum(counts) - counts), counts) + np.arange(counts.sum())
+        packed = table.index_select(0, upload(torch.from_numpy(rows), table.device)).to(self.proposer.device)
+        return dict(zip((rid for rid, _, _ in refs), packed.split(counts.tolist()), strict=True))
 
     @torch.inference_mode()
     def run_step(self, stream: int, owned: set[str], step: pb.DraftStep,

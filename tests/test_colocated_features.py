@@ -32,7 +32,7 @@ K, SLOTS, REQUESTS, MAX_TOKENS = 3, 3, 7, 30
 
 
 async def generate(engine: TargetEngine, link: LocalDrafterLink | DrafterLink, cache_branches: int,
-                   queue_drafts: bool) -> tuple[list[list[int]], float]:
+                   queue_drafts: bool, max_tokens: int = MAX_TOKENS) -> tuple[list[list[int]], float]:
     """Each request's tokens, and how many prompts a verification carried."""
     # The synthetic tokenizer of the target's vocabulary: outputs are only compared as ids, and GPU runs need
     # no model staged for it.
@@ -46,7 +46,7 @@ async def generate(engine: TargetEngine, link: LocalDrafterLink | DrafterLink, c
     prompts = [torch.randint(3, 30_000, (int(n),), generator=g).tolist()
                for n in torch.randint(4, 40, (REQUESTS,), generator=g)]
     try:
-        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
         requests = [scheduler.submit(p, params, request_id=str(i)) for i, p in enumerate(prompts)]
         for r in requests:
             while (await r.outputs.get()).finish_reason is None:
@@ -128,7 +128,8 @@ def drafter_service(proposer: EagleProposer, config) -> DrafterService:
 
 
 def assert_handed_the_target_features(handed, outputs, config, sd, head, verifier_device: str,
-                                      stream: int = 0, only: set[int] | None = None) -> None:
+                                      stream: int = 0, only: set[int] | None = None,
+                                      max_tokens: int = MAX_TOKENS) -> None:
     """Every request's (or those in `only`) handed features on drafter stream `stream` are the target's own,
     as a prefill of its final tokens computes them."""
     reference = TargetEngine(checkpoint=(config, sd), device=verifier_device, dtype=torch.float32,
@@ -138,6 +139,6 @@ def assert_handed_the_target_features(handed, outputs, config, sd, head, verifie
             continue
         got = torch.cat(handed[f"{stream}/{i}"])
         # rows 0..n-1: the positions of the tokens the drafter was told of, but the last
-        assert len(tokens) - MAX_TOKENS < got.shape[0] < len(tokens)
+        assert len(tokens) - max_tokens < got.shape[0] < len(tokens)
         want = reference.prefill([(0, tokens)]).aux_hidden[:got.shape[0]].cpu()
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4, msg=f"request {i}")

@@ -11,6 +11,7 @@ by another process, which reads the same rows and copies them to another GPU, as
 
 import asyncio
 import contextlib
+import socket
 import subprocess
 import sys
 
@@ -21,7 +22,11 @@ import torch
 from specwire.drafter import server as drafter_server
 from specwire.verifier import drafter_link
 from specwire.verifier.drafter_link import DrafterLink
+from specwire.verifier.scheduler import Scheduler, SchedulerConfig
 from test_colocated_features import (
+    MAX_TOKENS,
+    SLOTS,
+    K,
     assert_handed_the_target_features,
     drafter_service,
     generate,
@@ -30,11 +35,14 @@ from test_colocated_features import (
 
 from specwire import grpc_common
 from specwire.metrics import DrafterMetrics, VerifierMetrics
+from specwire.sampling_params import SamplingParams
 from specwire.shared_features import describe, host_id, open_table
 from specwire.synthetic import synthetic_tokenizer
 from specwire.v1 import drafter_pb2 as pb
 from specwire.v1 import drafter_pb2_grpc
 from specwire.wire import WireError
+
+LONG = 100  # tokens a request generates where a stream breaks mid-run: live requests outlast the reconnect
 
 
 @pytest.fixture
@@ -65,17 +73,16 @@ async def serving(service):
         await server.drain(0)
 
 
-async def generate_over_grpc(service, engine, cache_branches: int, metrics: VerifierMetrics):
+async def generate_over_grpc(service, engine, cache_branches: int, metrics: VerifierMetrics,
+                             max_tokens: int = MAX_TOKENS):
     async with serving(service) as target:
         link = DrafterLink(target, metrics, step_timeout=5.0, share_from=engine.device)
-        return link, await generate(engine, link, cache_branches, queue_drafts=False)
+        return link, await generate(engine, link, cache_branches, queue_drafts=False, max_tokens=max_tokens)
 
 
-@pytest.mark.parametrize("cache_branches, carry_rows", [(0, 0), (4, 0), (0, 16), (4, 16)],
-                         ids=["serial", "tables", "serial_carried", "tables_carried"])
-def test_rows_named_in_the_shared_table_are_the_target_features(in_process_mapping, cache_branches,
-                                                                 carry_rows):
-    config, sd, head, engine, proposer, handed = recording_drafter("cpu", "cpu", cache_branches, carry_rows)
+@pytest.mark.parametrize("cache_branches", [0, 4], ids=["serial", "tables"])
+def test_rows_named_in_the_shared_table_are_the_target_features(in_process_mapping, cache_branches):
+    config, sd, head, engine, proposer, handed = recording_drafter("cpu", "cpu", cache_branches, 0)
     service = drafter_service(proposer, config)
     service.info.shared_features_host = host_id()  # what a GPU drafter that sees this device says
     service.info.shared_features_gpus.append("cpu")
@@ -83,11 +90,10 @@ def test_rows_named_in_the_shared_table_are_the_target_features(in_process_mappi
     shared = []  # the gauge's values, in order
     gauge_set = metrics.drafter_features_shared.set
     metrics.drafter_features_shared.set = lambda value: (shared.append(value), gauge_set(value))
-    link, (outputs, carried) = asyncio.run(generate_over_grpc(service, engine, cache_branches, metrics))
+    link, (outputs, _) = asyncio.run(generate_over_grpc(service, engine, cache_branches, metrics))
     assert link.feature_device == engine.device and not link.share_refused
     assert shared == [1, 0], "the gauge: 1 at the handshake, 0 when the stream closed with the scheduler"
-    assert len(in_process_mapping) == 1, "one table offered, on the stream's first step that named rows"
-    assert (carried > 0) == (carry_rows > 0)
+    assert len(in_process_mapping) == 1, "one table offered, on the stream's first step"
     # a stream's id is its number on the drafter: the only stream here is 0
     assert_handed_the_target_features(handed, outputs, config, sd, head, "cpu")
     # the steps named rows: a token's features (3 x 64 float32) would have made them far larger
@@ -116,7 +122,7 @@ def test_after_a_reconnect_live_requests_are_re_sent_whole_from_the_same_table(i
     service.load(proposer, config, synthetic_tokenizer(config).fingerprint, "eagle3:random")
     service.info.shared_features_host = host_id()
     service.info.shared_features_gpus.append("cpu")
-    link, (outputs, _) = asyncio.run(generate_over_grpc(service, engine, 0, VerifierMetrics()))
+    link, (outputs, _) = asyncio.run(generate_over_grpc(service, engine, 0, VerifierMetrics(), LONG))
     assert service.steps > 6 and link.epoch == 2 and not link.share_refused
     assert len(in_process_mapping) == 2  # offered again on the new stream: the same table
     first, second = in_process_mapping.values()
@@ -124,7 +130,8 @@ def test_after_a_reconnect_live_requests_are_re_sent_whole_from_the_same_table(i
     resent = {int(key.split("/")[1]) for key in handed if key.startswith("1/")}
     started_before = {int(key.split("/")[1]) for key in handed if key.startswith("0/")}
     assert resent & started_before, "no request that the broken stream held was re-sent"
-    assert_handed_the_target_features(handed, outputs, config, sd, head, "cpu", stream=1, only=resent)
+    assert_handed_the_target_features(handed, outputs, config, sd, head, "cpu", stream=1, only=resent,
+                                      max_tokens=LONG)
 
 
 def test_a_drafter_that_cannot_map_gets_bytes_and_every_request_completes():
@@ -144,17 +151,18 @@ def test_a_drafter_that_cannot_map_gets_bytes_and_every_request_completes():
     original = drafter_link.describe
     drafter_link.describe = offer
     try:
-        link, (outputs, _) = asyncio.run(generate_over_grpc(service, engine, 0, VerifierMetrics()))
+        link, (outputs, _) = asyncio.run(generate_over_grpc(service, engine, 0, VerifierMetrics(), LONG))
     finally:
         drafter_link.describe = original
     assert len(offered) == 1 and "shared features" in link.share_refused
     assert link.feature_device is None, "the stream after the refusal carries bytes"
-    assert all(len(t) > 30 for t in outputs)  # every request ran to max_tokens
+    assert all(len(t) > LONG for t in outputs)  # every request ran to max_tokens
     # requests admitted after the refusal are drafted from bytes on the next stream (1), target features all;
     # those the refused stream held go undrafted (their features are in the table, not on the host)
     late = {int(key.split("/")[1]) for key in handed if key.startswith("1/")}
     assert late, "the drafter was never handed features as bytes after the refusal"
-    assert_handed_the_target_features(handed, outputs, config, sd, head, "cpu", stream=1, only=late)
+    assert_handed_the_target_features(handed, outputs, config, sd, head, "cpu", stream=1, only=late,
+                                      max_tokens=LONG)
 
 
 def test_a_row_reference_without_a_table_is_dropped_with_its_reason():
@@ -224,3 +232,63 @@ def test_a_table_of_a_gpu_this_process_cannot_see_is_refused_by_name():
     offer.device_uuid = "GPU-00000000-0000-0000-0000-000000000000"
     with pytest.raises(WireError, match="is not visible to this drafter"):
         open_table(offer)
+
+
+def test_requests_begun_before_the_drafter_stay_undrafted_across_a_refusal(monkeypatch):
+    """Requests prefilled before the drafter came keep their features on the host; a sharing stream cannot
+    use them and its verifications write the store, so their host rows stop being whole. After the drafter
+    refuses the table they must not be sent as bytes with rows missing (the drafter would drop them and the
+    verifier re-send them whole every step): they finish undrafted; later requests are drafted from bytes."""
+    config, sd, head, engine, proposer, handed = recording_drafter("cpu", "cpu", 0, 0)
+    service = drafter_service(proposer, config)
+    service.info.shared_features_host = host_id()
+    service.info.shared_features_gpus.append("cpu")
+    offered = []
+
+    def offer(table):  # a table no GPU holds: the CPU drafter's real open_table refuses it
+        offered.append(table)
+        return pb.SharedFeatures(device_uuid="GPU-none", shape=list(table.shape), dtype=pb.DTYPE_FLOAT32,
+                                 storage_size_bytes=table.numel() * 4)
+
+    monkeypatch.setattr(drafter_link, "describe", offer)
+    with socket.socket() as s:  # a free port, for a drafter that comes after the first requests
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    params = SamplingParams(temperature=0.0, max_tokens=LONG, ignore_eos=True)
+
+    async def run():
+        link = DrafterLink(f"127.0.0.1:{port}", VerifierMetrics(), step_timeout=5.0, share_from=engine.device,
+                           backoff=(0.05, 0.2))
+        scheduler = Scheduler(engine, synthetic_tokenizer(config), VerifierMetrics(),
+                              SchedulerConfig(num_speculative_tokens=K, cache_branches=0,
+                                              forced_acceptance=(0.9, 0.8, 0.7)), link)
+        scheduler.start()
+        early = [scheduler.submit([5 + i, 6, 7, 8], params, request_id=f"early{i}") for i in range(SLOTS)]
+        for r in early:
+            await r.outputs.get()  # prefilled: its features are on the host
+        server = grpc_common.GrpcServer(grpc_common.ServerOptions(listen=f"127.0.0.1:{port}"))
+        server.add_service(grpc_common.DRAFTER_SERVICE, drafter_pb2_grpc.add_DrafterServicer_to_server,
+                           service)
+        await server.start()
+        await server.set_serving(True)
+        try:
+            while not link.share_refused:
+                await asyncio.sleep(0.01)
+            later = [scheduler.submit([9, 10 + i, 11], params, request_id=f"later{i}") for i in range(SLOTS)]
+            for r in early + later:
+                while (await r.outputs.get()).finish_reason is None:
+                    pass
+            return early, later
+        finally:
+            await scheduler.close()
+            await server.drain(0)
+
+    early, later = asyncio.run(run())
+    assert len(offered) == 1 and all(len(r.tokens) - len(r.prompt) == LONG for r in early + later)
+    assert not [key for key in handed if "early" in key], "a request begun before the drafter was drafted"
+    streams = {key.split("/")[0] for key in handed}
+    assert streams == {"1"}, f"later requests drafted on the stream after the refusal only, got {streams}"
+    outputs = [r.tokens for r in later]
+    handed_later = {f"1/{i}": handed[f"1/later{i}"] for i in range(SLOTS)}
+    assert_handed_the_target_features(handed_later, outputs, config, sd, head, "cpu", stream=1,
+                                      max_tokens=LONG)

@@ -129,6 +129,7 @@ class LocalDrafterLink(_StepResults):
         self._run_step, self._info, self._mismatch, self._inline = run_step, info, mismatch, inline
         self._queue, self._take = queue, take
         self.queues_drafts = queue is not None and take is not None
+        self.names_rows = False  # features are handed over as tensors (views of the store), not named
         self.feature_device = feature_device
         self.max_step_bytes = float("inf")  # features are handed over as tensors, not in the step
         self.metrics, self.step_timeout, self.max_in_flight = metrics, step_timeout, max_in_flight
@@ -303,11 +304,13 @@ class DrafterLink(_StepResults):
         cannot feed) and `on_connect` before `start`."""
         self.target, self.metrics, self.socket_path = target, metrics, socket_path
         # None: features travel in the steps, as bytes; else the stream shares the owner's feature table on
-        # this device, handed to `send` as views of it (decided at each handshake, before check_info).
+        # this device and the steps name its rows (decided at each handshake, before check_info, which
+        # hands the table to `share`).
         self.feature_device: torch.device | None = None
         self.share_from = share_from
         self.share_refused = ""  # why a drafter could not map the table: bytes from then on
-        self._offered: int | None = None  # data_ptr of the table this stream was offered
+        self._table: torch.Tensor | None = None  # the owner's feature table [rows, width]
+        self._offered = False  # whether this stream's first step offered it
         self.channel_options = channel_options or grpc_common.ChannelOptions()
         self.max_step_bytes = step_feature_bytes(self.channel_options.max_message_bytes, 0)
         self.handshake = pb.HandshakeRequest()
@@ -352,17 +355,28 @@ class DrafterLink(_StepResults):
             return False
         return len(self._pending) < self.max_in_flight
 
+    @property
+    def names_rows(self) -> bool:
+        """Whether this stream's steps name rows of the shared table (`shared_row`), not carry bytes."""
+        return self.feature_device is not None
+
+    def share(self, table: torch.Tensor) -> None:
+        """The owner's feature table [rows, width] (a CUDA tensor at the start of its storage, kept alive by
+        the owner), offered on the first step of each stream that names its rows."""
+        self._table = table
+
     def send(self, step: pb.DraftStep, features: dict[str, torch.Tensor]) -> asyncio.Future | None:
         """Queues `step` for the stream's writer (its step_id is assigned here) and returns at once; the
         future resolves to its DraftResult, or None (a failed write drops the stream). Returns None, sending
-        nothing, when disconnected or when max_in_flight steps are unanswered. `features`: the updates'
-        rows of the shared table by request id, sent as row numbers; empty where the step carries bytes."""
-        if features and self.feature_device is None:
-            raise ValueError("this stream's features travel in the step as bytes, not as tensors")
+        nothing, when disconnected or when max_in_flight steps are unanswered. `features` must be empty: the
+        step carries them, as bytes or as shared rows."""
+        if features:
+            raise ValueError("a remote drafter's features travel in the step, not as tensors")
         if not self.can_send():
             return None
-        if features:
-            self._name_rows(step, features)
+        if self.names_rows and not self._offered:
+            step.shared_features.CopyFrom(describe(self._table))
+            self._offered = True
         step.step_id = self._next_step
         self._next_step += 1
         future = asyncio.get_running_loop().create_future()
@@ -370,25 +384,6 @@ class DrafterLink(_StepResults):
         self._outbox.put_nowait(step)
         round_trace.mark("v.send", len(step.wants))
         return future
-
-    def _name_rows(self, step: pb.DraftStep, features: dict[str, torch.Tensor]) -> None:
-        """Each update's rows as their first row's number in the table they are views of (rows of one
-        contiguous [rows, width] tensor that starts its storage), offering the table on its first use."""
-        for update in step.updates:
-            rows = features.get(update.request_id)
-            if rows is None:
-                continue
-            width = rows.shape[1]
-            if not rows.is_contiguous() or rows.storage_offset() % width:
-                raise ValueError("shared features must be whole rows of the feature table")
-            storage = rows.untyped_storage()
-            if storage.data_ptr() != self._offered:
-                table = torch.empty(0, dtype=rows.dtype, device=rows.device)
-                table.set_(storage, 0, (storage.nbytes() // (width * rows.element_size()), width))
-                step.shared_features.CopyFrom(describe(table))
-                self._offered = storage.data_ptr()
-            kind = update.WhichOneof("kind")
-            getattr(update, kind).shared_row = rows.storage_offset() // width
 
     # ------------------------------------------------------------------------------------------ stream
 
@@ -433,7 +428,7 @@ class DrafterLink(_StepResults):
         shares = (self.share_from is not None and not self.share_refused
                   and response.drafter.shared_features_host == host_id()
                   and device_uuid(self.share_from) in response.drafter.shared_features_gpus)
-        self.feature_device, self._offered = (self.share_from if shares else None), None
+        self.feature_device, self._offered = (self.share_from if shares else None), False
         self.check_info(response.drafter)
         self.info = response.drafter
         self.max_step_bytes = float("inf") if shares else step_feature_bytes(

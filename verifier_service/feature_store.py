@@ -79,6 +79,10 @@ class FeatureStore:
         context = self.rows.shape[1]
         return [slot * context + min(position, context - 1) for position in range(start, start + count)]
 
+    def row(self, slot: int, position: int) -> int:
+        """The index into `flat` of rows[slot, position]."""
+        return slot * self.rows.shape[1] + position
+
     def view(self, slot: int, start: int, end: int) -> torch.Tensor:
         """A request's rows [start, end): shared with the buffer, valid while that request holds the slot."""
         return self.rows[slot, start:end]

@@ -161,7 +161,11 @@ class Request:
     arrived: float = field(default_factory=time.perf_counter)
     tokens: list[int] = field(default_factory=list)  # prompt + output
     slot: int = -1
+    # Where every row of its target features is, for the drafter: on the host (kept while each verification
+    # reads its rows back), or in a feature store (written by each forward). Neither: they are lost (the link
+    # changed from one to the other while it lived), and it is not drafted.
     features: FeatureRows | None = None
+    store: FeatureStore | None = None
     drafter_len: int = 0
     next_drafts: Drafts | None = None  # from the speculation cache: the next verification's drafts
     next_branch: int | None = None  # the table entry they came from, or CHAIN
@@ -480,6 +484,8 @@ class Scheduler:
         i-th features are r's): its features are kept for the drafter, its tokens counted."""
         if step.features is not None:
             r.features = FeatureRows(step.features[i], step.feature_dtype)
+        else:
+            r.store = self._store
         self.metrics.prompt_tokens.inc(len(r.prompt))
 
     @property
@@ -599,8 +605,10 @@ class Scheduler:
         wanted = wanted or {}
         settled = []
         for i, r in enumerate(live):
-            if step.features is not None and r.features is not None:  # None: kept in the store instead
+            if r.features is not None and step.features is not None:
                 r.features.append(step.features[i])
+            elif r.features is not None:  # this round's rows went to the store: the host's are not whole now
+                r.features = None
             r.next_drafts = r.next_branch = None
             if r.live:  # an abort that came in during the step wins: nothing more is streamed
                 if r.id in wanted and tables is not None and self.config.forced_hit_rate is not None:
@@ -1091,6 +1099,8 @@ class Scheduler:
             self._store = FeatureStore(self.engine.max_slots, self.max_context, columns, width, dtype, device,
                                        self.engine.device)
         # else the store of the last stream: live requests' rows are in it, so they can be re-sent whole
+        if self._store is not None and self.link.names_rows:
+            self.link.share(self._store.flat)
 
     def _on_drafter_connect(self) -> None:
         """A fresh stream holds nothing: every live request is re-sent whole with its next step."""
@@ -1136,10 +1146,14 @@ class Scheduler:
         (a whole request, start 0: every token's but the last, which the target has not run on)."""
         return max(start - 1, 0), len(r.tokens) - 1
 
-    def _features(self, sends: list[tuple[Request, int]]) -> list[dpb.Tensor] | list[torch.Tensor]:
+    def _features(self, sends: list[tuple[Request, int]]
+                  ) -> list[dpb.Tensor] | list[torch.Tensor] | list[int]:
         """Per (request, first token to send): the features of the positions before those tokens, picked and
-        converted for the drafter (bytes as they are when it takes the dtype the target computes in), or
-        views of the store for a drafter that takes tensors."""
+        converted for the drafter (bytes as they are when it takes the dtype the target computes in), views
+        of the store for a drafter that takes tensors, or the store's row of the first of them for one that
+        maps the store (the link's `names_rows`)."""
+        if self._store is not None and self.link.names_rows:
+            return [self._store.row(r.slot, self._feature_rows(r, start)[0]) for r, start in sends]
         if self._store is not None:
             self._store.ready()
             return [self._store.view(r.slot, *self._feature_rows(r, start)) for r, start in sends]
@@ -1170,8 +1184,8 @@ class Scheduler:
         tensors: dict[str, torch.Tensor] = {}  # features handed over as tensors (the store's views)
         for r in group:
             start = r.drafter_len
-            if (r.features is None) == (self._store is None):
-                continue  # its features are not where this stream takes them (the link changed): undrafted
+            if not (r.store is self._store if self._store is not None else r.features is not None):
+                continue  # its features are not whole where this stream takes them (the link changed)
             if start < len(r.tokens):
                 first, end = self._feature_rows(r, start)
                 need = (end - first) * self._feature_row_bytes
@@ -1189,7 +1203,9 @@ class Scheduler:
             else:
                 update.accepted.position = start
                 update.accepted.token_ids.extend(r.tokens[start:])
-            if isinstance(features, torch.Tensor):
+            if isinstance(features, int):
+                (update.new_request if start == 0 else update.accepted).shared_row = features
+            elif isinstance(features, torch.Tensor):
                 tensors[r.id] = features
             else:
                 (update.new_request if start == 0 else update.accepted).features.CopyFrom(features)
