@@ -362,7 +362,7 @@ class DrafterLink(_StepResults):
 
     def share(self, table: torch.Tensor) -> None:
         """The owner's feature table [rows, width] (a CUDA tensor at the start of its storage, kept alive by
-        the owner), offered on the first step of each stream that names its rows."""
+        the owner), offered on the first step of each stream whose steps name its rows."""
         self._table = table
 
     def send(self, step: pb.DraftStep, features: dict[str, torch.Tensor]) -> asyncio.Future | None:
