@@ -7,7 +7,10 @@
 #    carry [".devcarry/init_head"]:  bash bench/train_eagle3_device.sh stage-head
 #    or, where it and the tree pass the 64 MiB carry limit, in parts, one call per folder:
 #    carry [".devcarry/init_head.N"]:  bash bench/train_eagle3_device.sh stage-head .devcarry/init_head.N)
-#   carry [".devcarry/wmin", ".devcarry/data.tgz"]:  bash bench/train_eagle3_device.sh start
+#   two calls, carry [".devcarry/data.tgz.N"]:  bash bench/train_eagle3_device.sh stage-data N   (N = 0, 1)
+#     (data.tgz is 5.7 MB and no longer fits beside the 62 MB tree: split -b 4200000 -d -a 1 .devcarry/data.tgz
+#      .devcarry/data.tgz.; a tree small enough may still carry .devcarry/data.tgz whole in the start call)
+#   carry [".devcarry/wmin"]:  bash bench/train_eagle3_device.sh start
 #   bash bench/train_eagle3_device.sh follow        (as often as the training needs)
 #   bash bench/train_eagle3_device.sh finish
 # start: joins the model, copies this tree to /root/work (the run outlives the call while the machine stays
@@ -43,12 +46,18 @@ collect() {  # head folder $1 to $OUT, its train_log.json if it has one: 3-4 fil
 }
 
 case "$1" in
+stage-data)  # $2: which piece of .devcarry/data.tgz (split as above); start joins them
+    mkdir -p $M && cp ".devcarry/data.tgz.$2" $M/ && ls -l $M/data.tgz.*
+    ;;
 stage-head)  # $2: the folder carried (default .devcarry/init_head); a head too big to travel beside the tree
     # comes in parts, one call each: model.safetensors.part.* files (split -b), which start joins
     mkdir -p $M/init_head && cp -r "${2:-.devcarry/init_head}"/. $M/init_head/ && ls -l $M/init_head
     ;;
 start)
     mkdir -p $M $R $W
+    if [ ! -d .data ] && [ ! -f .devcarry/data.tgz ]; then  # staged in pieces (stage-data)
+        mkdir -p .devcarry && cat $M/data.tgz.* > .devcarry/data.tgz || exit 3
+    fi
     [ -d .data ] || tar xzf .devcarry/data.tgz || exit 3
     bash bench/join_model.sh || exit 3
     if compgen -G "$M/init_head/model.safetensors.part.*" > /dev/null; then
