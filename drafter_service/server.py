@@ -33,19 +33,23 @@ from specwire import round_trace
 from specwire.config import ModelConfig
 from specwire.grpc_common import DEFAULT_MAX_MESSAGE_BYTES
 from specwire.metrics import DrafterMetrics
-from specwire.shared_features import host_id, open_table, shared_rows, visible_gpus
+from specwire.shared_features import host_id, open_table, shared_rows, unreadable_rows, visible_gpus
 from specwire.staging import upload
 from specwire.step_profiler import StepProfiler
 from specwire.step_socket import FrameError, MessageSocket
 from specwire.v1 import drafter_pb2 as pb
 from specwire.v1 import drafter_pb2_grpc
-from specwire.wire import PROTOCOL_VERSION, WireError, decode_tensor, encode_arrays, encode_tensor
+from specwire.wire import (
+    FEATURE_DTYPES,
+    PROTOCOL_VERSION,
+    WIRE_DTYPE,
+    WireError,
+    decode_tensor,
+    encode_arrays,
+    encode_tensor,
+)
 
 log = logging.getLogger("specwire.drafter")
-
-_FEATURE_DTYPES = {
-    torch.float32: pb.DTYPE_FLOAT32, torch.bfloat16: pb.DTYPE_BFLOAT16, torch.float16: pb.DTYPE_FLOAT16,
-}
 
 
 class _StepReader:
@@ -113,7 +117,7 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
             aux_layers=list(head.aux_layers) if head.arch == "eagle3" else [],
             max_num_drafts=proposer.max_drafts, max_requests=proposer.max_requests,
             max_branches=proposer.max_branches, chains=proposer.max_branches > 0,
-            feature_dtype=_FEATURE_DTYPES[proposer.head.dtype], max_message_bytes=self.max_message_bytes,
+            feature_dtype=WIRE_DTYPE[proposer.head.dtype], max_message_bytes=self.max_message_bytes,
         )
         if self.shared_features and proposer.device.type == "cuda":
             self.info.shared_features_host = host_id()
@@ -251,7 +255,7 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
             holder = getattr(update, kind) if kind in ("new_request", "accepted") else None
             if holder is not None and holder.HasField("shared_row"):
                 count = len(holder.token_ids) - (kind == "new_request")
-                if count >= 0 and holder.shared_row + count <= table.shape[0]:
+                if count >= 0 and not unreadable_rows(table, holder.shared_row, count):
                     refs.append((update.request_id, holder.shared_row, count))
         if not refs:
             return {}
@@ -372,7 +376,7 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
             return tensor
         if holder.HasField("shared_row"):  # not gathered: out of bounds, or no table (this raises why)
             return shared_rows(shared, holder.shared_row, count)
-        return decode_tensor(holder.features, dtypes=tuple(_FEATURE_DTYPES), ndim=2, name="features")
+        return decode_tensor(holder.features, dtypes=FEATURE_DTYPES, ndim=2, name="features")
 
     def _free(self, key: str, owned: set[str]) -> None:
         if key in self._known:

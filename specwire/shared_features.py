@@ -19,10 +19,7 @@ import math
 import torch
 
 from specwire.v1 import drafter_pb2 as pb
-from specwire.wire import WireError
-
-_DTYPES = {torch.float32: pb.DTYPE_FLOAT32, torch.bfloat16: pb.DTYPE_BFLOAT16,
-           torch.float16: pb.DTYPE_FLOAT16}
+from specwire.wire import FEATURE_DTYPES, TORCH_DTYPE, WIRE_DTYPE, WireError
 
 
 @functools.cache
@@ -56,15 +53,15 @@ def describe(table: torch.Tensor) -> pb.SharedFeatures:
         device_uuid=device_uuid(table.device), memory_handle=handle, storage_size_bytes=size,
         storage_offset_bytes=offset, ref_counter_handle=counter, ref_counter_offset=counter_offset,
         event_handle=event or b"", event_sync_required=event_sync, shape=list(table.shape),
-        dtype=_DTYPES[table.dtype])
+        dtype=WIRE_DTYPE[table.dtype])
 
 
 def open_table(message: pb.SharedFeatures) -> torch.Tensor:
     """The verifier's table as a tensor on its GPU, mapped into this process; raises WireError naming what is
     wrong (a GPU this process cannot see, a shape its storage cannot hold) or what CUDA refused."""
-    dtype = {v: k for k, v in _DTYPES.items()}.get(message.dtype)
-    if dtype is None:
-        raise WireError(f"shared features: unknown dtype enum value {message.dtype}")
+    dtype = TORCH_DTYPE.get(message.dtype)
+    if dtype not in FEATURE_DTYPES:
+        raise WireError(f"shared features: dtype enum value {message.dtype} is not a feature dtype")
     if len(message.shape) != 2:
         raise WireError(f"shared features: shape {list(message.shape)} is not [rows, width]")
     need = math.prod(message.shape) * dtype.itemsize
@@ -89,10 +86,17 @@ def open_table(message: pb.SharedFeatures) -> torch.Tensor:
     return table.set_(storage, 0, (rows, width), (width, 1))
 
 
-def shared_rows(table: torch.Tensor | None, first: int, count: int) -> torch.Tensor:
-    """Rows [first, first + count) of a stream's mapped table, checked against its bounds."""
+def unreadable_rows(table: torch.Tensor | None, first: int, count: int) -> str:
+    """Why rows [first, first + count) of a stream's mapped table cannot be read; empty when they can."""
     if table is None:
-        raise WireError("features: a shared row reference on a stream that offered no shared table")
+        return "features: a shared row reference on a stream that offered no shared table"
     if first + count > table.shape[0]:
-        raise WireError(f"features: shared rows [{first}, {first + count}) past the table's {table.shape[0]}")
+        return f"features: shared rows [{first}, {first + count}) past the table's {table.shape[0]}"
+    return ""
+
+
+def shared_rows(table: torch.Tensor | None, first: int, count: int) -> torch.Tensor:
+    """Rows [first, first + count) of a stream's mapped table; WireError when they cannot be read."""
+    if problem := unreadable_rows(table, first, count):
+        raise WireError(problem)
     return table[first:first + count]

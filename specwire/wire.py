@@ -19,14 +19,16 @@ PROTOCOL_VERSION = 1
 # 1 << 26 float32 elements is 256 MiB, far above any real payload (a [64 x 4, 49152] dense probs is 50 M).
 DEFAULT_MAX_ELEMENTS = 1 << 26
 
-_TORCH_DTYPE = {
+# The DType enum's tensors, both ways; target features travel as one of FEATURE_DTYPES.
+TORCH_DTYPE = {
     pb.DTYPE_FLOAT32: torch.float32,
     pb.DTYPE_BFLOAT16: torch.bfloat16,
     pb.DTYPE_FLOAT16: torch.float16,
     pb.DTYPE_INT32: torch.int32,
     pb.DTYPE_INT64: torch.int64,
 }
-_WIRE_DTYPE = {v: k for k, v in _TORCH_DTYPE.items()}
+WIRE_DTYPE = {v: k for k, v in TORCH_DTYPE.items()}
+FEATURE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # bfloat16 has no numpy twin, so its bytes travel through a same-width integer view.
 _BYTE_VIEW = {torch.bfloat16: torch.int16}
 
@@ -42,7 +44,7 @@ class WireError(ValueError):
 def encode_tensor(tensor: torch.Tensor) -> pb.Tensor:
     """Copies `tensor` (any device, any strides) into a Tensor message."""
     host, data = _host_bytes(tensor)
-    return pb.Tensor(data=data, dtype=_WIRE_DTYPE[host.dtype], shape=list(host.shape))
+    return pb.Tensor(data=data, dtype=WIRE_DTYPE[host.dtype], shape=list(host.shape))
 
 
 def encode_row_blocks(tensor: torch.Tensor, counts: Sequence[int]) -> list[pb.Tensor]:
@@ -56,7 +58,7 @@ def encode_row_blocks(tensor: torch.Tensor, counts: Sequence[int]) -> list[pb.Te
     messages, start = [], 0
     for n in counts:
         end = start + n * row_bytes
-        messages.append(pb.Tensor(data=data[start:end], dtype=_WIRE_DTYPE[host.dtype], shape=[n, *rest]))
+        messages.append(pb.Tensor(data=data[start:end], dtype=WIRE_DTYPE[host.dtype], shape=[n, *rest]))
         start = end
     return messages
 
@@ -75,7 +77,7 @@ def encode_arrays(arrays: Sequence[tuple[np.ndarray, torch.dtype]], dtype: torch
     """Arrays, each the raw memory of the dtype paired with it (as as_numpy gives it; any strides), as Tensor
     messages of `dtype`: their bytes as they are where the dtypes match, else converted by torch in one go."""
     if all(held == dtype for _, held in arrays):
-        return [pb.Tensor(data=a.tobytes(), dtype=_WIRE_DTYPE[dtype], shape=list(a.shape)) for a, _ in arrays]
+        return [pb.Tensor(data=a.tobytes(), dtype=WIRE_DTYPE[dtype], shape=list(a.shape)) for a, _ in arrays]
     if len({a.shape[1:] for a, _ in arrays}) > 1:
         raise WireError(f"arrays of shapes {[list(a.shape) for a, _ in arrays]} differ past their first dim")
     rows = torch.cat([from_numpy(a, held).to(dtype) for a, held in arrays])
@@ -85,8 +87,8 @@ def encode_arrays(arrays: Sequence[tuple[np.ndarray, torch.dtype]], dtype: torch
 def _host_bytes(tensor: torch.Tensor) -> tuple[torch.Tensor, bytes]:
     """The tensor on the CPU, and its raw bytes in row-major order (numpy copies any strides to bytes in one
     call, so a strided view, such as a branch's q, needs no contiguous copy first)."""
-    if tensor.dtype not in _WIRE_DTYPE:
-        raise WireError(f"cannot encode dtype {tensor.dtype}; supported: {sorted(map(str, _WIRE_DTYPE))}")
+    if tensor.dtype not in WIRE_DTYPE:
+        raise WireError(f"cannot encode dtype {tensor.dtype}; supported: {sorted(map(str, WIRE_DTYPE))}")
     host = tensor.detach().cpu()
     return host, as_numpy(host).tobytes()
 
@@ -103,7 +105,7 @@ def decode_tensor(
 
     `dtypes` and `ndim` narrow what the caller accepts; `name` labels errors ("proposal r1 probs").
     """
-    dtype = _TORCH_DTYPE.get(message.dtype)
+    dtype = TORCH_DTYPE.get(message.dtype)
     if dtype is None:
         raise WireError(f"{name}: unknown dtype enum value {message.dtype}")
     if dtypes is not None and dtype not in dtypes:

@@ -68,7 +68,7 @@ from specwire.step_profiler import StepProfiler
 from specwire.tokenizer import IncrementalDetokenizer, Tokenizer
 from specwire.v1 import drafter_pb2 as dpb
 from specwire.v1 import generation_pb2 as gpb
-from specwire.wire import PROTOCOL_VERSION, as_numpy, encode_arrays
+from specwire.wire import FEATURE_DTYPES, PROTOCOL_VERSION, TORCH_DTYPE, as_numpy, encode_arrays
 
 log = logging.getLogger("specwire.verifier.scheduler")
 
@@ -1080,9 +1080,8 @@ class Scheduler:
                                    f"({len(blocks)} x hidden size {H})")
         if info.max_num_drafts < 1:
             raise HandshakeRefused("drafter offers max_num_drafts = 0")
-        dtype = {dpb.DTYPE_FLOAT32: torch.float32, dpb.DTYPE_BFLOAT16: torch.bfloat16,
-                 dpb.DTYPE_FLOAT16: torch.float16}.get(info.feature_dtype)
-        if dtype is None:  # an unknown enum value has no name: print the number
+        dtype = TORCH_DTYPE.get(info.feature_dtype)
+        if dtype not in FEATURE_DTYPES:  # an unknown enum value has no name: print the number
             raise HandshakeRefused(f"drafter asks for features as DType {info.feature_dtype}; this verifier "
                                    f"sends float32, bfloat16 or float16")
         width = len(columns)
