@@ -60,10 +60,31 @@ def in_process_mapping(monkeypatch):
     return tables
 
 
+@pytest.fixture
+def refused_offer(monkeypatch) -> list:
+    """describe offers a well-formed table no GPU holds, which the CPU drafter's real open_table refuses; the
+    list gets each table offered."""
+    offered = []
+
+    def offer(table):
+        offered.append(table)
+        return pb.SharedFeatures(device_uuid="GPU-none", shape=list(table.shape), dtype=pb.DTYPE_FLOAT32,
+                                 storage_size_bytes=table.numel() * 4)
+
+    monkeypatch.setattr(drafter_link, "describe", offer)
+    return offered
+
+
+def says_it_maps(service: drafter_server.DrafterService) -> None:
+    """What a GPU drafter on this host that sees the verifier's device says in its handshake."""
+    service.info.shared_features_host = host_id()
+    service.info.shared_features_gpus.append("cpu")
+
+
 @contextlib.asynccontextmanager
-async def serving(service):
-    """The drafter service behind a real gRPC server on a free loopback port."""
-    server = grpc_common.GrpcServer(grpc_common.ServerOptions(listen="127.0.0.1:0"))
+async def serving(service, listen: str = "127.0.0.1:0"):
+    """The drafter service behind a real gRPC server on `listen` (default a free loopback port)."""
+    server = grpc_common.GrpcServer(grpc_common.ServerOptions(listen=listen))
     server.add_service(grpc_common.DRAFTER_SERVICE, drafter_pb2_grpc.add_DrafterServicer_to_server, service)
     port = await server.start()
     await server.set_serving(True)
@@ -84,8 +105,7 @@ async def generate_over_grpc(service, engine, cache_branches: int, metrics: Veri
 def test_rows_named_in_the_shared_table_are_the_target_features(in_process_mapping, cache_branches):
     config, sd, head, engine, proposer, handed = recording_drafter("cpu", "cpu", cache_branches, 0)
     service = drafter_service(proposer, config)
-    service.info.shared_features_host = host_id()  # what a GPU drafter that sees this device says
-    service.info.shared_features_gpus.append("cpu")
+    says_it_maps(service)
     metrics = VerifierMetrics()
     shared = []  # the gauge's values, in order
     gauge_set = metrics.drafter_features_shared.set
@@ -120,8 +140,7 @@ def test_after_a_reconnect_live_requests_are_re_sent_whole_from_the_same_table(i
     config, sd, head, engine, proposer, handed = recording_drafter("cpu", "cpu", 0, 0)
     service = OnceBrokenDrafter(DrafterMetrics())
     service.load(proposer, config, synthetic_tokenizer(config).fingerprint, "eagle3:random")
-    service.info.shared_features_host = host_id()
-    service.info.shared_features_gpus.append("cpu")
+    says_it_maps(service)
     link, (outputs, _) = asyncio.run(generate_over_grpc(service, engine, 0, VerifierMetrics(), LONG))
     assert service.steps > 6 and link.epoch == 2 and not link.share_refused
     assert len(in_process_mapping) == 2  # offered again on the new stream: the same table
@@ -134,27 +153,14 @@ def test_after_a_reconnect_live_requests_are_re_sent_whole_from_the_same_table(i
                                       max_tokens=LONG)
 
 
-def test_a_drafter_that_cannot_map_gets_bytes_and_every_request_completes():
+def test_a_drafter_that_cannot_map_gets_bytes_and_every_request_completes(refused_offer):
     """A CPU drafter that says it maps (as one whose GPU cannot see the verifier's would): the real
     open_table refuses, the link starts over with bytes, and the drafter is handed the target's features."""
     config, sd, head, engine, proposer, handed = recording_drafter("cpu", "cpu", 0, 0)
     service = drafter_service(proposer, config)
-    service.info.shared_features_host = host_id()
-    service.info.shared_features_gpus.append("cpu")
-    offered = []
-
-    def offer(table):  # a well-formed offer of a table no GPU holds
-        offered.append(table)
-        return pb.SharedFeatures(device_uuid="GPU-none", shape=list(table.shape), dtype=pb.DTYPE_FLOAT32,
-                                 storage_size_bytes=table.numel() * 4)
-
-    original = drafter_link.describe
-    drafter_link.describe = offer
-    try:
-        link, (outputs, _) = asyncio.run(generate_over_grpc(service, engine, 0, VerifierMetrics(), LONG))
-    finally:
-        drafter_link.describe = original
-    assert len(offered) == 1 and "shared features" in link.share_refused
+    says_it_maps(service)
+    link, (outputs, _) = asyncio.run(generate_over_grpc(service, engine, 0, VerifierMetrics(), LONG))
+    assert len(refused_offer) == 1 and "shared features" in link.share_refused
     assert link.feature_device is None, "the stream after the refusal carries bytes"
     assert all(len(t) > LONG for t in outputs)  # every request ran to max_tokens
     # requests admitted after the refusal are drafted from bytes on the next stream (1), target features all;
@@ -234,23 +240,14 @@ def test_a_table_of_a_gpu_this_process_cannot_see_is_refused_by_name():
         open_table(offer)
 
 
-def test_requests_begun_before_the_drafter_stay_undrafted_across_a_refusal(monkeypatch):
+def test_requests_begun_before_the_drafter_stay_undrafted_across_a_refusal(refused_offer):
     """Requests prefilled before the drafter came keep their features on the host; a sharing stream cannot
     use them and its verifications write the store, so their host rows stop being whole. After the drafter
     refuses the table they must not be sent as bytes with rows missing (the drafter would drop them and the
     verifier re-send them whole every step): they finish undrafted; later requests are drafted from bytes."""
     config, sd, head, engine, proposer, handed = recording_drafter("cpu", "cpu", 0, 0)
     service = drafter_service(proposer, config)
-    service.info.shared_features_host = host_id()
-    service.info.shared_features_gpus.append("cpu")
-    offered = []
-
-    def offer(table):  # a table no GPU holds: the CPU drafter's real open_table refuses it
-        offered.append(table)
-        return pb.SharedFeatures(device_uuid="GPU-none", shape=list(table.shape), dtype=pb.DTYPE_FLOAT32,
-                                 storage_size_bytes=table.numel() * 4)
-
-    monkeypatch.setattr(drafter_link, "describe", offer)
+    says_it_maps(service)
     with socket.socket() as s:  # a free port, for a drafter that comes after the first requests
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -263,28 +260,24 @@ def test_requests_begun_before_the_drafter_stay_undrafted_across_a_refusal(monke
                               SchedulerConfig(num_speculative_tokens=K, cache_branches=0,
                                               forced_acceptance=(0.9, 0.8, 0.7)), link)
         scheduler.start()
-        early = [scheduler.submit([5 + i, 6, 7, 8], params, request_id=f"early{i}") for i in range(SLOTS)]
-        for r in early:
-            await r.outputs.get()  # prefilled: its features are on the host
-        server = grpc_common.GrpcServer(grpc_common.ServerOptions(listen=f"127.0.0.1:{port}"))
-        server.add_service(grpc_common.DRAFTER_SERVICE, drafter_pb2_grpc.add_DrafterServicer_to_server,
-                           service)
-        await server.start()
-        await server.set_serving(True)
         try:
-            while not link.share_refused:
-                await asyncio.sleep(0.01)
-            later = [scheduler.submit([9, 10 + i, 11], params, request_id=f"later{i}") for i in range(SLOTS)]
-            for r in early + later:
-                while (await r.outputs.get()).finish_reason is None:
-                    pass
-            return early, later
+            early = [scheduler.submit([5 + i, 6, 7, 8], params, request_id=f"early{i}") for i in range(SLOTS)]
+            for r in early:
+                await r.outputs.get()  # prefilled: its features are on the host
+            async with serving(service, f"127.0.0.1:{port}"):
+                while not link.share_refused:
+                    await asyncio.sleep(0.01)
+                later = [scheduler.submit([9, 10 + i, 11], params, request_id=f"later{i}")
+                         for i in range(SLOTS)]
+                for r in early + later:
+                    while (await r.outputs.get()).finish_reason is None:
+                        pass
+                return early, later
         finally:
             await scheduler.close()
-            await server.drain(0)
 
     early, later = asyncio.run(run())
-    assert len(offered) == 1 and all(len(r.tokens) - len(r.prompt) == LONG for r in early + later)
+    assert len(refused_offer) == 1 and all(len(r.tokens) - len(r.prompt) == LONG for r in early + later)
     assert not [key for key in handed if "early" in key], "a request begun before the drafter was drafted"
     streams = {key.split("/")[0] for key in handed}
     assert streams == {"1"}, f"later requests drafted on the stream after the refusal only, got {streams}"
