@@ -4,8 +4,10 @@ Tables (drafted while a verification runs, looked up when it ends) pay when they
 outcome. Where they come late, serial drafting (each round waits for drafts made for its settled tokens) is
 faster: 1.4-1.9x on the CPU (bench/results/serial_vs_cache_tiny_cpu/), 0.74x against 0.51x of target-only
 for SmolLM2 at batch 16 on two H200s. Which one wins depends on the models, the batch and the drafter's speed,
-so it is measured: rounds run in epochs of one mode, an epoch's tokens per second updates that mode's
-estimate, the faster mode runs next, and every `explore_every`-th epoch runs the other one again.
+so it is measured: rounds run in epochs of one mode, an epoch's tokens per request-second updates that
+mode's estimate, the faster mode runs next, and every `explore_every`-th epoch runs the other one again.
+Per request, not per second: a static batch drains as its requests end, and an epoch measured on its tail
+would read slow for a reason that is not its mode.
 """
 
 from __future__ import annotations
@@ -20,26 +22,30 @@ class DraftingMode:
                              f"{explore_every}")
         self.epoch_rounds, self.explore_every = epoch_rounds, explore_every
         self.mode = "tables"
-        self.rate: dict[str, float | None] = dict.fromkeys(MODES)  # tokens per second, per mode
+        self.rate: dict[str, float | None] = dict.fromkeys(MODES)  # tokens per request-second, per mode
         self._epochs = self._rounds = self._tokens = 0
-        self._epoch_start: float | None = None
+        self._request_seconds = 0.0
+        self._last_round_end: float | None = None
 
-    def record(self, tokens: int, now: float) -> None:
-        """A round of the current mode ended at `now` (perf_counter seconds) and settled `tokens`. The time
-        of an epoch runs from the end of the round before it, so a switch's first round counts in full."""
-        if self._epoch_start is None:  # the very first round only starts the clock
-            self._epoch_start = now
+    def record(self, tokens: int, requests: int, now: float) -> None:
+        """A round of the current mode for `requests` requests ended at `now` (perf_counter seconds) and
+        settled `tokens`. A round's time runs from the end of the round before it, so a switch's first round
+        counts in full."""
+        if self._last_round_end is None:  # the very first round only starts the clock
+            self._last_round_end = now
             return
         self._rounds += 1
         self._tokens += tokens
+        self._request_seconds += requests * (now - self._last_round_end)
+        self._last_round_end = now
         if self._rounds < self.epoch_rounds:
             return
-        rate = self._tokens / max(now - self._epoch_start, 1e-9)
+        rate = self._tokens / max(self._request_seconds, 1e-9)
         old = self.rate[self.mode]
         self.rate[self.mode] = rate if old is None else 0.5 * (old + rate)
         self._epochs += 1
         self._rounds = self._tokens = 0
-        self._epoch_start = now
+        self._request_seconds = 0.0
         self.mode = self._next()
 
     def _next(self) -> str:

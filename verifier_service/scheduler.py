@@ -555,7 +555,7 @@ class Scheduler:
         elif caching:
             self.metrics.drafting_rounds["tables" if tabling else "serial"].inc()
             if self._drafting is not None:
-                self._drafting.record(sum(len(t) for t in step.tokens), time.perf_counter())
+                self._drafting.record(sum(len(t) for t in step.tokens), len(live), time.perf_counter())
                 if self._drafting.mode == "serial":  # the next round's drafts, for what this one settled
                     self._in_flight = self._send_step([r for r in live if r.live], "chains")
 
