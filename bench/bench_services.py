@@ -86,12 +86,10 @@ def hit_rate(text: str) -> HitRate:
 
 
 def cache_setting(text: str) -> HitRate:
-    """A real head's speculation cache: 'on' (the verifier's defaults: adaptive since session 29), 'off'
-    (--cache-branches 0), 'tables' (--drafting-epoch 0: tables every round) or 'adaptive' (--drafting-epoch
-    16: tables or serial drafting, whichever measures faster)."""
-    if text.strip() not in ("on", "off", "tables", "adaptive"):
-        raise argparse.ArgumentTypeError(
-            f"a cache setting is 'on', 'off', 'tables' or 'adaptive', got {text!r}")
+    """A real head's speculation cache: 'on' (the verifier's defaults), 'off' (--cache-branches 0) or
+    'adaptive' (--drafting-epoch: tables or serial drafting, whichever measures faster)."""
+    if text.strip() not in ("on", "off", "adaptive"):
+        raise argparse.ArgumentTypeError(f"a cache setting is 'on', 'off' or 'adaptive', got {text!r}")
     return None if text.strip() == "on" else text.strip()
 
 
@@ -125,9 +123,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "--cache-branches 0, serial drafting (default 0.8,off)")
     p.add_argument("--smollm2-cache", type=csv(cache_setting), default=[None, "off"],
                    help="the smollm2 workload's speculation cache, first = first measured: on = the "
-                        "verifier's defaults (adaptive), off = --cache-branches 0, serial drafting, tables = "
-                        "--drafting-epoch 0, adaptive = --drafting-epoch 16, whichever of the two measures "
-                        "faster (default on,off)")
+                        "verifier's defaults, off = --cache-branches 0, serial drafting, adaptive = "
+                        "--drafting-epoch 16, whichever of the two measures faster (default on,off)")
     p.add_argument("--prompts", default=str(DEFAULT_PROMPTS), help="JSONL prompt file")
     p.add_argument("--prompt-source", default="",
                    help="keep rows whose 'source' starts with this ('' = all; rows without one are kept)")

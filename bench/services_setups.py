@@ -34,14 +34,6 @@ ADAPTIVE_EPOCH = 16  # rounds per drafting-mode epoch: a bench point runs a few 
 CACHE_BRANCHES = 8  # table entries per request of the setups with the speculation cache
 
 
-def drafting_epoch_flag(hit: HitRate) -> list[str]:
-    """--drafting-epoch for a cache setting: a forced hit rate or 'tables' measure tables every round, as
-    files before session 29 did; 'adaptive' asks for epochs; 'on' and 'off' leave the verifier's default."""
-    if hit == "adaptive":
-        return ["--drafting-epoch", str(ADAPTIVE_EPOCH)]
-    return ["--drafting-epoch", "0"] if hit == "tables" or isinstance(hit, float) else []
-
-
 class SetupUnavailable(RuntimeError):
     """The services refused a setup's flags (not an error of the run)."""
 
@@ -132,7 +124,7 @@ class Fleet:
             argv += [*(["--forced-acceptance-length", str(length)] if length is not None else []),
                      # said either way: a co-located verifier's default is 0, a remote drafter's 8
                      "--cache-branches", "0" if hit == "off" else str(CACHE_BRANCHES),
-                     *drafting_epoch_flag(hit),
+                     *(["--drafting-epoch", str(ADAPTIVE_EPOCH)] if hit == "adaptive" else []),
                      *(["--forced-hit-rate", str(hit)] if isinstance(hit, float) else []), *w.verifier_args]
         service = self._start(f"verifier-{w.name}-{setup}-k{k}-L{length}-hit{hit}", argv)
         if setup in TWO_PROCESSES and not wait_drafter_connected(service.port, 120):

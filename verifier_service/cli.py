@@ -67,12 +67,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="how long a round waits for drafts made just in time for requests no table had "
                              "drafts for (a miss, a late table) (default: decided each round: waited for "
                              "when the tokens they add are worth the wait; 0 = never)")
-    parser.add_argument("--drafting-epoch", type=int, default=env("SPECWIRE_DRAFTING_EPOCH", 16),
+    parser.add_argument("--drafting-epoch", type=int, default=env("SPECWIRE_DRAFTING_EPOCH", 0),
                         metavar="ROUNDS",
-                        help="with the speculation cache: epochs of this many rounds of tables and of serial "
-                             "drafting, keeping to whichever settles more tokens per request-second and "
-                             "trying the other every 8th epoch (serial wins where tables come late: "
-                             "bench/results/session29/; default 16; 0: tables always)")
+                        help="with the speculation cache: try epochs of this many rounds of serial drafting "
+                             "beside the tables and keep to whichever gives more tokens/s (serial wins where "
+                             "tables come late; e.g. 32; default 0: tables always)")
     parser.add_argument("--queue-drafts", choices=("auto", "on", "off"),
                         default=env("SPECWIRE_QUEUE_DRAFTS", "auto"),
                         help="with --colocated and --cache-branches 0: queue each round's next drafts on the "
