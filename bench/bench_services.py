@@ -86,7 +86,7 @@ def hit_rate(text: str) -> HitRate:
 
 
 def cache_setting(text: str) -> HitRate:
-    """A real head's speculation cache: 'on' (the verifier's defaults), 'off' (--cache-branches 0) or
+    """A real head's speculation cache: 'on' (--cache-branches 8), 'off' (--cache-branches 0) or
     'adaptive' (--drafting-epoch: tables or serial drafting, whichever measures faster)."""
     if text.strip() not in ("on", "off", "adaptive"):
         raise argparse.ArgumentTypeError(f"a cache setting is 'on', 'off' or 'adaptive', got {text!r}")
@@ -122,8 +122,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "--forced-hit-rate R (a random head never guesses the bonus token itself), 'off' = "
                         "--cache-branches 0, serial drafting (default 0.8,off)")
     p.add_argument("--smollm2-cache", type=csv(cache_setting), default=[None, "off"],
-                   help="the smollm2 workload's speculation cache, first = first measured: on = the "
-                        "verifier's defaults, off = --cache-branches 0, serial drafting, adaptive = "
+                   help="the smollm2 workload's speculation cache, first = first measured: on = "
+                        "--cache-branches 8, off = --cache-branches 0, serial drafting, adaptive = "
                         "--drafting-epoch 16, whichever of the two measures faster (default on,off)")
     p.add_argument("--prompts", default=str(DEFAULT_PROMPTS), help="JSONL prompt file")
     p.add_argument("--prompt-source", default="",

@@ -2,7 +2,11 @@
 # Train the EAGLE-3 head for the default model on one lent GPU, and measure it beside the shipped head.
 # Calls, one straight after the other (the machine stays warm 30 s between them):
 #   twenty-four calls, carry [".devcarry/smol.part.XX.N"]:  bash bench/run_services_h200x2.sh stage XX.N
-#     (XX.N = aa.0 ... ac.7: the model in eighths, as the 62 MB tree now asks)
+#     (XX.N = aa.0 ... ac.7: the model in eighths, as the 62 MB tree now asks); or, since session 29, with no
+#     tree travelling (bench/bare_tree.sh on, here; off after): carry [".devcarry/smol.part.aa",
+#     ".devcarry/smol.part.ab"]: mkdir -p /root/m && cp .devcarry/smol.part.a? /root/m/ ; then carry
+#     [".devcarry/smol.part.ac", ".devcarry/data.tgz"]: cp .devcarry/smol.part.ac /root/m/ && cp
+#     .devcarry/data.tgz /root/m/data.tgz.0   (the data in one piece: no stage-data calls)
 #   (to continue from a head brought back earlier, in .devcarry/init_head:
 #    carry [".devcarry/init_head"]:  bash bench/train_eagle3_device.sh stage-head
 #    or, where it and the tree pass the 64 MiB carry limit, in parts, one call per folder:

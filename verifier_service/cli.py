@@ -53,11 +53,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft-top-k", type=int, default=env("SPECWIRE_DRAFT_TOP_K", 64),
                         help="sampled requests draft from the head's top-K, shipped sparse (default 64, the "
                              "drafter's --max-top-k)")
-    parser.add_argument("--cache-branches", type=int, default=env("SPECWIRE_CACHE_BRANCHES", None),
+    parser.add_argument("--cache-branches", type=int, default=env("SPECWIRE_CACHE_BRANCHES", 0),
                         help="speculation cache: table entries per request the drafter drafts while a "
-                             "verification runs (0 = wait for drafts each round; default 8, or 0 with "
-                             "--colocated, whose drafts queued behind the sampler measured faster than "
-                             "tables: bench/results/session19_h200x2/)")
+                             "verification runs (default 0: wait for drafts each round, measured faster than "
+                             "tables for the default model, in one process and across two: "
+                             "bench/results/session19_h200x2/, bench/results/session29/; 8 pays where tables "
+                             "come in time and hit, as for an 8B target at batch 1)")
     parser.add_argument("--table-wait-ms", type=float, default=env("SPECWIRE_TABLE_WAIT_MS", None),
                         help="how long a finished verification waits for a table still on its way "
                              "(default: decided each round: waited for when it is due within what a hit "
@@ -70,8 +71,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--drafting-epoch", type=int, default=env("SPECWIRE_DRAFTING_EPOCH", 0),
                         metavar="ROUNDS",
                         help="with the speculation cache: try epochs of this many rounds of serial drafting "
-                             "beside the tables and keep to whichever gives more tokens/s (serial wins where "
-                             "tables come late; e.g. 32; default 0: tables always)")
+                             "beside the tables and keep to whichever settles more tokens per request-second "
+                             "(serial wins where tables come late; e.g. 32; default 0: tables always)")
     parser.add_argument("--queue-drafts", choices=("auto", "on", "off"),
                         default=env("SPECWIRE_QUEUE_DRAFTS", "auto"),
                         help="with --colocated and --cache-branches 0: queue each round's next drafts on the "
@@ -166,8 +167,6 @@ async def serve(args: argparse.Namespace) -> None:
         raise ValueError("--drafter-socket needs --drafter HOST:PORT (the handshake goes over gRPC)")
     if args.queue_drafts not in ("auto", "on", "off"):  # argparse leaves a default (SPECWIRE_*) unchecked
         raise ValueError(f"--queue-drafts must be auto, on or off, got {args.queue_drafts!r}")
-    if args.cache_branches is None:
-        args.cache_branches = 0 if args.colocated else 8
     if args.cache_branches < 0:
         raise ValueError(f"--cache-branches must be >= 0, got {args.cache_branches}")
     if args.drafting_epoch < 0:

@@ -35,10 +35,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda if available)")
     parser.add_argument("--k", type=int, default=4, help="draft tokens per round (default 4)")
     parser.add_argument("--max-tokens", type=int, default=64, help="tokens per prompt (default 64)")
-    parser.add_argument("--cache-branches", type=int, default=None,
-                        help="speculation-cache table entries per request (default: 8 on a GPU; 0 on a CPU, "
-                             "where tables would draft for outcomes that do not happen on the cores the "
-                             "verification needs: draft each round)")
+    parser.add_argument("--cache-branches", type=int, default=0,
+                        help="speculation-cache table entries per request (default 0: draft each round, "
+                             "which measured faster than tables for this model on the 2-core CPU and on "
+                             "two GPUs: bench/results/session29/)")
     parser.add_argument("--min-confidence", type=float, default=None,
                         help="the drafter's dynamic draft length (see `specwire drafter --help`; default: "
                              f"{CPU_MIN_CONFIDENCE} on a CPU, where each draft step costs; 0 = off on a GPU)")
@@ -170,12 +170,6 @@ def on_gpu(args: argparse.Namespace) -> bool:
     return args.device.startswith("cuda") if args.device else torch.cuda.is_available()
 
 
-def default_branches(args: argparse.Namespace) -> int:
-    # 2-core machine, 2026-11-23, after the oneDNN linears: serial drafting 1.18x and 1.29x, tables of 2
-    # branches 1.08x and 1.07x (README, "What `make demo` shows").
-    return 8 if on_gpu(args) else 0
-
-
 def default_min_confidence(args: argparse.Namespace) -> float:
     return 0.0 if on_gpu(args) else CPU_MIN_CONFIDENCE
 
@@ -197,7 +191,7 @@ def run(args: argparse.Namespace) -> int:
         target_only = start("target-only verifier", ["verifier", *common, "--k", "0"], log_dir)
         services.append(target_only)
         if speculate:
-            branches = str(args.cache_branches if args.cache_branches is not None else default_branches(args))
+            branches = str(args.cache_branches)
             confidence = default_min_confidence(args) if args.min_confidence is None else args.min_confidence
             drafter = start("drafter", ["drafter", *common, "--head", str(head), "--max-drafts", str(args.k),
                                         "--max-branches", branches, "--max-requests", "16",
