@@ -19,13 +19,3 @@ def test_help_shows_every_default(command):
             help_text = sub._get_formatter()._get_help_string(action) % {"default": action.default}
             assert "default" in help_text, f"{command} {action.option_strings[0]} hides its default"
 
-
-def test_a_verifier_drafts_serially_unless_told_otherwise():
-    """Session 29 measured tables slower than serial drafting for the default model across two processes
-    (bench/results/session29/): a remote drafter's verifier, like a co-located one, waits for each round's
-    drafts unless --cache-branches asks for tables."""
-    parser = build_parser("verifier")
-    for argv in (["verifier", "--drafter", "127.0.0.1:50052"], ["verifier", "--colocated"]):
-        args = parser.parse_args(argv)
-        assert (args.cache_branches, args.drafting_epoch) == (0, 0), argv
-    assert parser.parse_args(["verifier", "--cache-branches", "8"]).cache_branches == 8

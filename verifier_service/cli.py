@@ -53,12 +53,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft-top-k", type=int, default=env("SPECWIRE_DRAFT_TOP_K", 64),
                         help="sampled requests draft from the head's top-K, shipped sparse (default 64, the "
                              "drafter's --max-top-k)")
-    parser.add_argument("--cache-branches", type=int, default=env("SPECWIRE_CACHE_BRANCHES", 0),
+    parser.add_argument("--cache-branches", type=int, default=env("SPECWIRE_CACHE_BRANCHES", None),
                         help="speculation cache: table entries per request the drafter drafts while a "
-                             "verification runs (default 0: wait for drafts each round, measured faster than "
-                             "tables for the default model, in one process and across two: "
-                             "bench/results/session19_h200x2/, bench/results/session29/; 8 pays where tables "
-                             "come in time and hit, as for an 8B target at batch 1)")
+                             "verification runs (0 = wait for drafts each round; default 8, or 0 with "
+                             "--colocated, whose drafts queued behind the sampler measured faster than "
+                             "tables: bench/results/session19_h200x2/; across two processes 0 measured "
+                             "faster for greedy requests, slower for sampled ones: bench/results/session29/)")
     parser.add_argument("--table-wait-ms", type=float, default=env("SPECWIRE_TABLE_WAIT_MS", None),
                         help="how long a finished verification waits for a table still on its way "
                              "(default: decided each round: waited for when it is due within what a hit "
@@ -167,6 +167,8 @@ async def serve(args: argparse.Namespace) -> None:
         raise ValueError("--drafter-socket needs --drafter HOST:PORT (the handshake goes over gRPC)")
     if args.queue_drafts not in ("auto", "on", "off"):  # argparse leaves a default (SPECWIRE_*) unchecked
         raise ValueError(f"--queue-drafts must be auto, on or off, got {args.queue_drafts!r}")
+    if args.cache_branches is None:
+        args.cache_branches = 0 if args.colocated else 8
     if args.cache_branches < 0:
         raise ValueError(f"--cache-branches must be >= 0, got {args.cache_branches}")
     if args.drafting_epoch < 0:

@@ -37,8 +37,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=64, help="tokens per prompt (default 64)")
     parser.add_argument("--cache-branches", type=int, default=0,
                         help="speculation-cache table entries per request (default 0: draft each round, "
-                             "which measured faster than tables for this model on the 2-core CPU and on "
-                             "two GPUs: bench/results/session29/)")
+                             "which measured faster than tables for this model's greedy requests (the "
+                             "demo's) on the 2-core CPU and across two GPUs: bench/results/session29/)")
     parser.add_argument("--min-confidence", type=float, default=None,
                         help="the drafter's dynamic draft length (see `specwire drafter --help`; default: "
                              f"{CPU_MIN_CONFIDENCE} on a CPU, where each draft step costs; 0 = off on a GPU)")
