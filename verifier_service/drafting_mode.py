@@ -7,7 +7,9 @@ for SmolLM2 at batch 16 on two H200s. Which one wins depends on the models, the 
 so it is measured: rounds run in epochs of one mode, an epoch's tokens per request-second updates that
 mode's estimate, the faster mode runs next, and every `explore_every`-th epoch runs the other one again.
 Per request, not per second: a static batch drains as its requests end, and an epoch measured on its tail
-would read slow for a reason that is not its mode.
+would read slow for a reason that is not its mode. (Per request is fair where a round's time barely depends on
+its rows, as in the memory-bound batches speculation serves; where rounds grow with the batch, a small tail
+reads a little fast instead.)
 """
 
 from __future__ import annotations
