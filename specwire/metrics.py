@@ -64,7 +64,7 @@ FINISH_REASONS = ("stop", "length", "abort", "error")
 STEP_MODES = ("cuda_graph", "eager")
 LOOKUP_RESULTS = ("hit", "miss", "late", "unasked")
 JUST_IN_TIME_RESULTS = ("drafted", "undrafted", "late", "declined")
-DRAFTING_MODES = ("tables", "serial")
+DRAFTING_MODES = ("tables", "serial", "none")
 BAD_PAYLOAD_REASONS = ("bad_tensor", "unknown_request", "probs_mismatch", "link_error")
 DIRECTIONS = ("sent", "received")
 # Requests refused before they were queued, by the google.rpc code of their in-band Error.
@@ -212,7 +212,8 @@ class VerifierMetrics(_ServiceMetrics):
         self.spec_cache_rounds = c(
             "spec_cache_rounds",
             "Rounds of a speculation-cache verifier by how their drafts came: tables (drafted while the "
-            "round before verified) or serial (an adaptive verifier's serial epochs).",
+            "round before verified), serial (an adaptive verifier's serial epochs) or none (its epochs "
+            "without drafts, kept where speculation does not pay).",
             ["mode"],
         )
         self.drafting_rounds = {m: self.spec_cache_rounds.labels(mode=m) for m in DRAFTING_MODES}

@@ -1,5 +1,6 @@
-"""The adaptive verifier's choice between tables and serial drafting (verifier_service/drafting_mode.py):
-measured epochs, the faster mode kept, the other tried again every `explore_every`-th epoch."""
+"""The adaptive verifier's choice between tables, serial drafting and rounds without drafts
+(verifier_service/drafting_mode.py): measured epochs, the fastest mode kept, the others tried again in turn
+every `explore_every`-th epoch."""
 
 import pytest
 from specwire.verifier.drafting_mode import DraftingMode
@@ -15,15 +16,16 @@ def run_epoch(d: DraftingMode, tokens_per_round: int, seconds_per_round: float, 
     return mode
 
 
-def test_tables_first_then_serial_then_the_faster_with_exploration():
+def test_each_mode_once_then_the_fastest_with_the_others_explored_in_turn():
     d, clock = DraftingMode(epoch_rounds=4, explore_every=3), [0.0]
     d.record(0, 1, clock[0])  # the first round only starts the clock
-    speed = {"tables": (16, 0.010), "serial": (30, 0.012)}  # serial: 2,500 tok/s against 1,600
-    modes = [run_epoch(d, *speed[d.mode], clock) for _ in range(8)]
-    assert modes[:2] == ["tables", "serial"]  # each measured once
-    assert d.rate == pytest.approx({"tables": 1600.0, "serial": 2500.0})
-    # Epochs 3..8: serial, except the one after every third epoch, which tries tables again.
-    assert modes[2:] == ["tables" if n % 3 == 0 else "serial" for n in range(2, 8)]
+    # serial: 2,500 tok/s against tables' 1,600 and none's 1,250
+    speed = {"tables": (16, 0.010), "serial": (30, 0.012), "none": (10, 0.008)}
+    modes = [run_epoch(d, *speed[d.mode], clock) for _ in range(10)]
+    assert modes[:3] == ["tables", "serial", "none"]  # each measured once
+    assert d.rate == pytest.approx({"tables": 1600.0, "serial": 2500.0, "none": 1250.0})
+    # Then serial, except every third epoch, which tries the others again, the faster of them first.
+    assert modes[3:] == ["tables", "serial", "serial", "none", "serial", "serial", "tables"]
 
 
 def test_a_mode_that_got_faster_is_taken_back():
@@ -31,22 +33,33 @@ def test_a_mode_that_got_faster_is_taken_back():
     d.record(0, 1, clock[0])
     run_epoch(d, 10, 0.01, clock)  # tables: 1,000 tok/s
     run_epoch(d, 20, 0.01, clock)  # serial: 2,000 tok/s
-    assert d.mode == "serial"
-    while d.mode == "serial":  # until the exploration epoch
-        run_epoch(d, 20, 0.01, clock)
+    run_epoch(d, 5, 0.01, clock)  # none: 500 tok/s
+    assert d.mode == "tables"  # the exploration epoch right after the first three
     run_epoch(d, 50, 0.01, clock)  # tables now measure 5,000 tok/s: their estimate becomes 3,000
     assert d.rate["tables"] == pytest.approx(3000.0) and d.mode == "tables"
+
+
+def test_where_no_drafting_pays_rounds_without_drafts_are_kept():
+    """Sampled requests across two processes (session 29): tables 0.7x, serial 0.5x of target-only; rounds
+    without drafts lose only the link's overhead."""
+    d, clock = DraftingMode(epoch_rounds=4, explore_every=8), [0.0]
+    d.record(0, 1, clock[0])
+    speed = {"tables": (7, 0.010), "serial": (10, 0.020), "none": (9, 0.010)}
+    modes = [run_epoch(d, *speed[d.mode], clock) for _ in range(8)]
+    assert modes == ["tables", "serial", "none", "none", "none", "none", "none", "none"]
+    assert run_epoch(d, *speed[d.mode], clock) == "tables"  # the 9th epoch explores
 
 
 def test_a_draining_batch_is_judged_per_request():
     """Tables measured on a full batch of 16, serial on its tail of 4: serial settles fewer tokens a second
     (4 x 2.5 / 10 ms = 1,000 against 16 x 1.6 / 10 ms = 2,560) but more per request (250 against 160), and
     that is what its mode is worth."""
-    d, clock = DraftingMode(epoch_rounds=4, explore_every=3), [0.0]
+    d, clock = DraftingMode(epoch_rounds=4, explore_every=8), [0.0]
     d.record(0, 16, clock[0])
     run_epoch(d, 16 * 1.6, 0.010, clock, requests=16)  # tables
     run_epoch(d, 4 * 2.5, 0.010, clock, requests=4)  # serial
-    assert d.rate == pytest.approx({"tables": 160.0, "serial": 250.0})
+    run_epoch(d, 4 * 1.0, 0.010, clock, requests=4)  # none
+    assert d.rate == pytest.approx({"tables": 160.0, "serial": 250.0, "none": 100.0})
     assert d.mode == "serial"
 
 

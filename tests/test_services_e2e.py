@@ -677,11 +677,28 @@ def test_just_in_time_drafts_that_come_late_still_get_a_table(world):
 
 
 def test_greedy_with_adaptive_drafting_equals_target_only(world):
-    """Epochs of two rounds: tables, then serial, then the faster, switching back and forth."""
+    """Epochs of two rounds: tables, then serial, then none (no drafts), then the fastest, switching back and
+    forth; the tokens settled in epochs without drafts reach the drafter with the next step."""
     with verifier_of_the_world_drafter(world, drafting_epoch=2) as v:
         greedy_equals_target_only(world, v, 8, seed=21)
-        assert all(v.counter(v.metrics.drafting_rounds[m]) > 0 for m in ("tables", "serial"))
+        assert all(v.counter(v.metrics.drafting_rounds[m]) > 0 for m in ("tables", "serial", "none"))
         assert v.counter(v.metrics.num_accepted_tokens) > 0 and v.counter(v.metrics.cache["hit"]) > 0
+        # Drafted again after the epochs without drafts: the drafter was caught up, not left behind.
+        drafted = v.counter(v.metrics.num_draft_tokens)
+        greedy_equals_target_only(world, v, 8, seed=22)
+        assert v.counter(v.metrics.num_draft_tokens) > drafted
+        assert v.counter(v.metrics.bad_payloads, reason="unknown_request") == 0
+
+
+def test_seeded_sampling_with_adaptive_drafting_equals_target_only_sampling(world):
+    """Through switches between tables, serial drafting and rounds without drafts, a seeded sampled request
+    is still the target-only sample token for token."""
+    batch = prompts(6, seed=27)
+    sampling = {"temperature": 0.3, "top_p": 0.9, "seed": 777}
+    with verifier_of_the_world_drafter(world, drafting_epoch=2) as v:
+        results = generate_all(v, batch, max_tokens=24, **sampling)
+        assert [r[0] for r in results] == seeded_reference(world.checkpoint, batch, 24, 0.3, 0.9, 777)
+        assert all(v.counter(v.metrics.drafting_rounds[m]) > 0 for m in ("tables", "serial", "none"))
 
 
 def test_greedy_with_serial_drafting_equals_target_only(world):

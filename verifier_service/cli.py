@@ -71,8 +71,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--drafting-epoch", type=int, default=env("SPECWIRE_DRAFTING_EPOCH", 0),
                         metavar="ROUNDS",
                         help="with the speculation cache: try epochs of this many rounds of serial drafting "
-                             "beside the tables and keep to whichever settles more tokens per request-second "
-                             "(serial wins where tables come late; e.g. 32; default 0: tables always)")
+                             "and of rounds without drafts beside the tables, and keep to whichever settles "
+                             "the most tokens per request-second (serial wins where tables come late, none "
+                             "where no drafting pays; e.g. 32; default 0: tables always)")
     parser.add_argument("--queue-drafts", choices=("auto", "on", "off"),
                         default=env("SPECWIRE_QUEUE_DRAFTS", "auto"),
                         help="with --colocated and --cache-branches 0: queue each round's next drafts on the "

@@ -3,9 +3,11 @@
 Tables (drafted while a verification runs, looked up when it ends) pay when they come in time and hold the
 outcome. Where they come late, serial drafting (each round waits for drafts made for its settled tokens) is
 faster: 1.4-1.9x on the CPU (bench/results/serial_vs_cache_tiny_cpu/), 0.74x against 0.51x of target-only
-for SmolLM2 at batch 16 on two H200s. Which one wins depends on the models, the batch and the drafter's speed,
-so it is measured: rounds run in epochs of one mode, an epoch's tokens per request-second updates that
-mode's estimate, the faster mode runs next, and every `explore_every`-th epoch runs the other one again.
+for SmolLM2 at batch 16 on two H200s. Where neither pays (sampled SmolLM2 requests across two processes:
+tables 0.71x-0.92x, serial 0.44x-0.51x, bench/results/session29/), rounds without drafts ("none") lose least.
+Which one wins depends on the models, the batch, the temperature and the drafter's speed, so it is measured:
+rounds run in epochs of one mode, an epoch's tokens per request-second updates that mode's estimate, the
+fastest mode runs next, and every `explore_every`-th epoch runs one of the others again, in turn.
 Per request, not per second: a static batch drains as its requests end, and an epoch measured on its tail
 would read slow for a reason that is not its mode. (Per request is fair where a round's time barely depends on
 its rows, as in the memory-bound batches speculation serves; where rounds grow with the batch, a small tail
@@ -14,7 +16,7 @@ reads a little fast instead.)
 
 from __future__ import annotations
 
-from specwire.metrics import DRAFTING_MODES as MODES  # ("tables", "serial"): the metric's labels too
+from specwire.metrics import DRAFTING_MODES as MODES  # ("tables", "serial", "none"): the metric's labels
 
 
 class DraftingMode:
@@ -25,7 +27,7 @@ class DraftingMode:
         self.epoch_rounds, self.explore_every = epoch_rounds, explore_every
         self.mode = "tables"
         self.rate: dict[str, float | None] = dict.fromkeys(MODES)  # tokens per request-second, per mode
-        self._epochs = self._rounds = self._tokens = 0
+        self._epochs = self._rounds = self._tokens = self._explored = 0
         self._request_seconds = 0.0
         self._last_round_end: float | None = None
 
@@ -54,5 +56,8 @@ class DraftingMode:
         unmeasured = [m for m in MODES if self.rate[m] is None]
         if unmeasured:
             return unmeasured[0]
-        best, worse = sorted(MODES, key=lambda m: self.rate[m], reverse=True)
-        return worse if self._epochs % self.explore_every == 0 else best
+        best, *others = sorted(MODES, key=lambda m: self.rate[m], reverse=True)
+        if self._epochs % self.explore_every:
+            return best
+        self._explored += 1
+        return others[(self._explored - 1) % len(others)]

@@ -514,10 +514,13 @@ class Scheduler:
             await self._decode(live)
             return
         caching = self.caching
-        tabling = caching and (self._drafting is None or self._drafting.mode == "tables")
+        mode = self._drafting.mode if self._drafting is not None else "tables"
+        tabling = caching and mode == "tables"
         if caching:
-            await self._take_drafts_ahead(live)
-            await self._draft_just_in_time(live)
+            await self._take_drafts_ahead(live)  # a serial epoch's last step, also when "none" follows it
+            if mode != "none":  # an epoch without drafts asks the drafter for nothing; the tokens it settles
+                # reach the drafter with the next step that is sent, as after any round it was not told of
+                await self._draft_just_in_time(live)
             live = [r for r in live if r.live]  # the wait may have let aborts in
             if not live:
                 return
@@ -543,7 +546,7 @@ class Scheduler:
         self._verify_seconds = time.perf_counter() - started
         tables = await self._tables(sent) if caching else None
         try:
-            self._settle_round(live, batch.num_drafts, step, caching, tables,
+            self._settle_round(live, batch.num_drafts, step, caching and mode != "none", tables,
                                sent[1] if caching and sent else {})
         finally:  # whatever happened, the drafter takes no other step before the drafts queued on it
             queued = self._take_queued_drafts(live, step)
@@ -553,7 +556,7 @@ class Scheduler:
             if rest or self._frees:
                 self._in_flight = self._send_step(rest, "serial")
         elif caching:
-            self.metrics.drafting_rounds["tables" if tabling else "serial"].inc()
+            self.metrics.drafting_rounds[mode].inc()
             if self._drafting is not None:
                 self._drafting.record(sum(len(t) for t in step.tokens), len(live), time.perf_counter())
                 if self._drafting.mode == "serial":  # the next round's drafts, for what this one settled
