@@ -6,22 +6,19 @@ import pytest
 from specwire.verifier.drafting_mode import DraftingMode
 
 
-def run_epoch(d: DraftingMode, tokens_per_round: int, seconds_per_round: float, clock: list[float],
-              requests: int = 1) -> str:
+def run_epoch(d: DraftingMode, tokens_per_round: int, seconds_per_round: float, requests: int = 1) -> str:
     """One epoch of rounds for `requests` requests in d's mode; returns the mode it ran in."""
     mode = d.mode
     for _ in range(d.epoch_rounds):
-        clock[0] += seconds_per_round
-        d.record(tokens_per_round, requests, clock[0])
+        d.record(tokens_per_round, requests, seconds_per_round)
     return mode
 
 
 def test_each_mode_once_then_the_fastest_with_the_others_explored_in_turn():
-    d, clock = DraftingMode(epoch_rounds=4, explore_every=3), [0.0]
-    d.record(0, 1, clock[0])  # the first round only starts the clock
+    d = DraftingMode(epoch_rounds=4, explore_every=3)
     # serial: 2,500 tok/s against tables' 1,600 and none's 1,250
     speed = {"tables": (16, 0.010), "serial": (30, 0.012), "none": (10, 0.008)}
-    modes = [run_epoch(d, *speed[d.mode], clock) for _ in range(10)]
+    modes = [run_epoch(d, *speed[d.mode]) for _ in range(10)]
     assert modes[:3] == ["tables", "serial", "none"]  # each measured once
     assert d.rate == pytest.approx({"tables": 1600.0, "serial": 2500.0, "none": 1250.0})
     # Then serial, except every third epoch, which tries the others again, the faster of them first.
@@ -29,36 +26,33 @@ def test_each_mode_once_then_the_fastest_with_the_others_explored_in_turn():
 
 
 def test_a_mode_that_got_faster_is_taken_back():
-    d, clock = DraftingMode(epoch_rounds=2, explore_every=3), [0.0]
-    d.record(0, 1, clock[0])
-    run_epoch(d, 10, 0.01, clock)  # tables: 1,000 tok/s
-    run_epoch(d, 20, 0.01, clock)  # serial: 2,000 tok/s
-    run_epoch(d, 5, 0.01, clock)  # none: 500 tok/s
+    d = DraftingMode(epoch_rounds=2, explore_every=3)
+    run_epoch(d, 10, 0.01)  # tables: 1,000 tok/s
+    run_epoch(d, 20, 0.01)  # serial: 2,000 tok/s
+    run_epoch(d, 5, 0.01)  # none: 500 tok/s
     assert d.mode == "tables"  # the exploration epoch right after the first three
-    run_epoch(d, 50, 0.01, clock)  # tables now measure 5,000 tok/s: their estimate becomes 3,000
+    run_epoch(d, 50, 0.01)  # tables now measure 5,000 tok/s: their estimate becomes 3,000
     assert d.rate["tables"] == pytest.approx(3000.0) and d.mode == "tables"
 
 
 def test_where_no_drafting_pays_rounds_without_drafts_are_kept():
     """Sampled requests across two processes (session 29): tables 0.7x, serial 0.5x of target-only; rounds
     without drafts lose only the link's overhead."""
-    d, clock = DraftingMode(epoch_rounds=4, explore_every=8), [0.0]
-    d.record(0, 1, clock[0])
+    d = DraftingMode(epoch_rounds=4, explore_every=8)
     speed = {"tables": (7, 0.010), "serial": (10, 0.020), "none": (9, 0.010)}
-    modes = [run_epoch(d, *speed[d.mode], clock) for _ in range(8)]
+    modes = [run_epoch(d, *speed[d.mode]) for _ in range(8)]
     assert modes == ["tables", "serial", "none", "none", "none", "none", "none", "none"]
-    assert run_epoch(d, *speed[d.mode], clock) == "tables"  # the 9th epoch explores
+    assert run_epoch(d, *speed[d.mode]) == "tables"  # the 9th epoch explores
 
 
 def test_a_draining_batch_is_judged_per_request():
     """Tables measured on a full batch of 16, serial on its tail of 4: serial settles fewer tokens a second
     (4 x 2.5 / 10 ms = 1,000 against 16 x 1.6 / 10 ms = 2,560) but more per request (250 against 160), and
     that is what its mode is worth."""
-    d, clock = DraftingMode(epoch_rounds=4, explore_every=8), [0.0]
-    d.record(0, 16, clock[0])
-    run_epoch(d, 16 * 1.6, 0.010, clock, requests=16)  # tables
-    run_epoch(d, 4 * 2.5, 0.010, clock, requests=4)  # serial
-    run_epoch(d, 4 * 1.0, 0.010, clock, requests=4)  # none
+    d = DraftingMode(epoch_rounds=4, explore_every=8)
+    run_epoch(d, 16 * 1.6, 0.010, requests=16)  # tables
+    run_epoch(d, 4 * 2.5, 0.010, requests=4)  # serial
+    run_epoch(d, 4 * 1.0, 0.010, requests=4)  # none
     assert d.rate == pytest.approx({"tables": 160.0, "serial": 250.0, "none": 100.0})
     assert d.mode == "serial"
 

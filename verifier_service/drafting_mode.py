@@ -29,19 +29,14 @@ class DraftingMode:
         self.rate: dict[str, float | None] = dict.fromkeys(MODES)  # tokens per request-second, per mode
         self._epochs = self._rounds = self._tokens = self._explored = 0
         self._request_seconds = 0.0
-        self._last_round_end: float | None = None
 
-    def record(self, tokens: int, requests: int, now: float) -> None:
-        """A round of the current mode for `requests` requests ended at `now` (perf_counter seconds) and
-        settled `tokens`. A round's time runs from the end of the round before it, so a switch's first round
-        counts in full."""
-        if self._last_round_end is None:  # the very first round only starts the clock
-            self._last_round_end = now
-            return
+    def record(self, tokens: int, requests: int, seconds: float) -> None:
+        """A round of the current mode for `requests` requests settled `tokens` in `seconds`: its own time,
+        from its start (waits for its drafts included) to its tokens, and not the prefill steps or the idle
+        time between rounds, which would fall on whichever mode runs when a batch ends or a request comes."""
         self._rounds += 1
         self._tokens += tokens
-        self._request_seconds += requests * (now - self._last_round_end)
-        self._last_round_end = now
+        self._request_seconds += requests * seconds
         if self._rounds < self.epoch_rounds:
             return
         rate = self._tokens / max(self._request_seconds, 1e-9)

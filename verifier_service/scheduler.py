@@ -513,7 +513,7 @@ class Scheduler:
         if not self.speculating:
             await self._decode(live)
             return
-        caching = self.caching
+        caching, round_started = self.caching, time.perf_counter()
         mode = self._drafting.mode if self._drafting is not None else "tables"
         tabling = caching and mode == "tables"
         if caching:
@@ -558,7 +558,8 @@ class Scheduler:
         elif caching:
             self.metrics.drafting_rounds[mode].inc()
             if self._drafting is not None:
-                self._drafting.record(sum(len(t) for t in step.tokens), len(live), time.perf_counter())
+                self._drafting.record(sum(len(t) for t in step.tokens), len(live),
+                                      time.perf_counter() - round_started)
                 if self._drafting.mode == "serial":  # the next round's drafts, for what this one settled
                     self._in_flight = self._send_step([r for r in live if r.live], "chains")
 
