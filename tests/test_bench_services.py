@@ -54,7 +54,7 @@ def test_round_split_cache_and_bytes_from_two_scrapes():
     assert got["drafter_round_trip"] == pytest.approx(2.0) and got["host"] == pytest.approx(5.0 - 2.0 - 0.2)
     cache = cache_hit_rate(delta)
     assert cache.pop("just_in_time") == {"drafted": 20.0, "undrafted": None, "late": None, "declined": None}
-    assert cache.pop("rounds") == {"tables": None, "serial": None}
+    assert cache.pop("rounds") == {"tables": None, "serial": None, "none": None}
     assert cache == pytest.approx({"hit": 75, "miss": 25, "late": None, "unasked": None, "hit_rate": 0.75})
     assert cache_hit_rate(Delta(before, before)) is None
     assert wire_bytes_per_step(delta) == {"sent": 50.0, "received": None}
