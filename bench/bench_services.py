@@ -87,7 +87,7 @@ def hit_rate(text: str) -> HitRate:
 
 def cache_setting(text: str) -> HitRate:
     """A real head's speculation cache: 'on' (--cache-branches 8), 'off' (--cache-branches 0) or
-    'adaptive' (--drafting-epoch: tables or serial drafting, whichever measures faster)."""
+    'adaptive' (--drafting-epoch: tables, serial drafting or no drafts, whichever measures fastest)."""
     if text.strip() not in ("on", "off", "adaptive"):
         raise argparse.ArgumentTypeError(f"a cache setting is 'on', 'off' or 'adaptive', got {text!r}")
     return None if text.strip() == "on" else text.strip()
@@ -124,7 +124,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--smollm2-cache", type=csv(cache_setting), default=[None, "off"],
                    help="the smollm2 workload's speculation cache, first = first measured: on = "
                         "--cache-branches 8, off = --cache-branches 0, serial drafting, adaptive = "
-                        "--drafting-epoch 16, whichever of the two measures faster (default on,off)")
+                        "--drafting-epoch 16, whichever of tables, serial and no drafts measures fastest "
+                        "(default on,off)")
     p.add_argument("--prompts", default=str(DEFAULT_PROMPTS), help="JSONL prompt file")
     p.add_argument("--prompt-source", default="",
                    help="keep rows whose 'source' starts with this ('' = all; rows without one are kept)")

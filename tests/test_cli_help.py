@@ -18,4 +18,3 @@ def test_help_shows_every_default(command):
         if action.option_strings and action.default not in (None, False, [], argparse.SUPPRESS):
             help_text = sub._get_formatter()._get_help_string(action) % {"default": action.default}
             assert "default" in help_text, f"{command} {action.option_strings[0]} hides its default"
-
