@@ -31,6 +31,11 @@ import torch
 from specwire.staging import upload
 
 
+def _column_key(columns: slice | np.ndarray) -> slice | tuple[int, ...]:
+    """Columns in a form that compares by value (an array's == compares element-wise)."""
+    return columns if isinstance(columns, slice) else tuple(columns.tolist())
+
+
 class FeatureStore:
     def __init__(self, slots: int, max_context: int, columns: slice | np.ndarray, width: int,
                  dtype: torch.dtype, device: torch.device, source: torch.device | None = None):
@@ -38,7 +43,7 @@ class FeatureStore:
         the tables come from (the target's), when it is another GPU than `device`."""
         self.rows = torch.empty(slots, max_context, width, dtype=dtype, device=device)
         self._columns = columns if isinstance(columns, slice) else torch.as_tensor(columns)
-        self._picked = columns if isinstance(columns, slice) else tuple(columns.tolist())
+        self._picked = _column_key(columns)
         device = torch.device(device)
         crossing = device.type == "cuda" and source is not None and torch.device(source) != device
         self._stream = torch.cuda.Stream(device) if crossing else None
@@ -59,9 +64,8 @@ class FeatureStore:
     def holds(self, columns: slice | np.ndarray, width: int, dtype: torch.dtype, device: torch.device
               ) -> bool:
         """Whether this store keeps what a drafter asking for these columns, width, dtype and device takes."""
-        picked = columns if isinstance(columns, slice) else tuple(columns.tolist())
-        return (picked == self._picked and self.rows.shape[-1] == width and self.rows.dtype == dtype
-                and self.rows.device == torch.device(device))
+        return (_column_key(columns) == self._picked and self.rows.shape[-1] == width
+                and self.rows.dtype == dtype and self.rows.device == torch.device(device))
 
     def ready(self) -> None:
         """Makes the current stream of the store's device (the drafter's) wait for every write queued so far:
