@@ -983,8 +983,8 @@ class Scheduler:
             fed = [*zip(live, starts, batch.num_drafts, strict=True),
                    *((r, 0, len(r.prompt) - 1) for r in carry)]  # a prompt: as a row of len - 1 drafts
             store.write(self._feature_table(out.hidden, out.aux_hidden),
-                              [r.slot for r, _, k in fed for _ in range(k + 1)],
-                              [start + j for _, start, k in fed for j in range(k + 1)])
+                        [r.slot for r, _, k in fed for _ in range(k + 1)],
+                        [start + j for _, start, k in fed for j in range(k + 1)])
         elif self.link is not None:
             self._readback.start(self._feature_table(out.hidden, out.aux_hidden))
         round_trace.mark("v.forward_queued")
