@@ -92,6 +92,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--max-new-tokens", type=int, default=320)
     p.add_argument("--sample-fraction", type=float, default=0.5, help="share of answers sampled, not greedy")
+    p.add_argument(
+        "--answers-per-prompt", type=int, default=1,
+        help="answers the target writes to each training prompt: the first greedy or sampled by "
+        "--sample-fraction, the others sampled (a second greedy one would repeat it); held-out prompts get "
+        "one",
+    )  # fmt: skip
     p.add_argument("--sample-temperature", type=float, default=1.0, help="temperature of sampled answers")
     p.add_argument("--gen-batch", type=int, help="concurrent generations (default 128 on cuda, 8 on cpu)")
     p.add_argument("--holdout", type=float, default=0.03, help="held-out share of each source (default 0.03)")
@@ -159,6 +165,8 @@ def _validate(args: argparse.Namespace) -> None:
         raise ValueError(f"--holdout must be in (0, 1), got {args.holdout}")
     if not 0 < args.max_source_share <= 1:
         raise ValueError(f"--max-source-share must be in (0, 1], got {args.max_source_share}")
+    if args.answers_per_prompt < 1:
+        raise ValueError(f"--answers-per-prompt must be >= 1, got {args.answers_per_prompt}")
     if args.tv_weight < 0:
         raise ValueError(f"--tv-weight must be >= 0, got {args.tv_weight}")
     if args.ttt_steps < 1:
@@ -281,6 +289,9 @@ def make_data(
     gen = (args.max_new_tokens, args.sample_fraction, args.sample_temperature, rng, deadline, gen_batch)
     held = distill(engine, held_prompts, *gen, "held-out")
     train = distill(engine, train_prompts, *gen, "distill")
+    for n in range(2, args.answers_per_prompt + 1):  # after every first answer: a deadline cuts these first
+        sampled = (args.max_new_tokens, 1.0, *gen[2:])
+        train += distill(engine, train_prompts, *sampled, f"distill, answer {n}")
     log = {
         "sources": _source_counts(available, held_prompts, train_prompts, held, train),
         "self_instruct": {"requested": args.self_instruct, "written": len(new), **verdicts},
@@ -291,9 +302,10 @@ def make_data(
         "train_response_tokens": sum(len(c.tokens) - c.prompt_len for c in train),
         "max_new_tokens": args.max_new_tokens,
         "answers": {
-            "sampled_share": args.sample_fraction,
+            "per_prompt": args.answers_per_prompt,
+            "sampled_share": round(sum(c.temperature > 0 for c in train) / max(len(train), 1), 4),
             "temperature": args.sample_temperature,
-            "greedy_share": round(1 - args.sample_fraction, 4),
+            "greedy_share": round(sum(c.temperature == 0 for c in train) / max(len(train), 1), 4),
         },
         "seconds": round(time.monotonic() - t0, 1),
     }

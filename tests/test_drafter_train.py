@@ -104,7 +104,9 @@ def data_dir(tmp_path_factory) -> Path:
     return root
 
 
-@pytest.mark.parametrize(("arch", "loss"), [("eagle1", []), ("eagle3", ["--tv-weight", "0.5"])])
+@pytest.mark.parametrize(
+    ("arch", "loss"), [("eagle1", []), ("eagle3", ["--tv-weight", "0.5", "--answers-per-prompt", "2"])]
+)
 def test_train_eagle_smoke_writes_a_loadable_head(tiny_target, data_dir, tmp_path, capsys, arch, loss):
     out = tmp_path / "head"
     rc = train_cli(
@@ -137,6 +139,15 @@ def test_train_eagle_smoke_writes_a_loadable_head(tiny_target, data_dir, tmp_pat
     gsm8k = counts["gsm8k_train"]
     assert gsm8k["train_prompts"] + gsm8k["held_out_prompts"] < gsm8k["available"]  # the cap did bind
     assert log["data"]["train_conversations"] == sum(c["train_conversations"] for c in counts.values())
+    answers = log["data"]["answers"]
+    per_prompt = 2 if arch == "eagle3" else 1
+    assert answers["per_prompt"] == per_prompt
+    # every training prompt answered per_prompt times (the generous budget cuts none), the extra answers
+    # sampled: at most one greedy answer per prompt
+    train_prompts = sum(c["train_prompts"] for c in counts.values())
+    assert log["data"]["train_conversations"] == per_prompt * train_prompts
+    assert answers["greedy_share"] * log["data"]["train_conversations"] <= train_prompts + 1e-6
+    assert answers["greedy_share"] + answers["sampled_share"] == pytest.approx(1.0)
     last = log["held_out"][-1]
     assert 0.0 <= last["top1_1"] <= 1.0 and 0.0 <= last["overlap_1"] <= 1.0
     assert ("overlap_1" in log["curve"][-1]) == bool(loss)  # training steps compute it only for the loss
