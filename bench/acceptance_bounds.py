@@ -9,10 +9,11 @@ at every response position and draft step j this reports, on the target's own vo
   top1         whether the head's argmax is the target's (what greedy acceptance needs, T = 0);
   overlap_topK_scaleC (--q-scales) the widest cut's overlap with q from the logits / C: is q calibrated?
 each chained into an acceptance-length proxy for k = 4: 1 + a1 + a1 a2 + ... (independence assumed).
-With greedy answers it also replays the k = 4 chain the drafter runs (chain_replay): a round starts where the
-last one's bonus token fell, so its anchors are not every position: drafting starts right after a miss. The
-replay's acceptance length is what `specwire bench --local` should measure at T = 0 on the same answers, and
-top1 at its round starts (round_start_top1), set against top1 at every anchor, measures that selection.
+With greedy answers it also replays the k = 4 chain the drafter runs (chain_replay, drafter_service.
+chain_visits): a round starts where the last one's bonus token fell, so drafting starts right after a miss
+more often than at a random anchor. The replay's acceptance length is what `specwire bench --local`
+measures at T = 0 on the same answers; its first position's rate (top-1 at the rounds' starts) against
+top1[0] at every anchor measures that selection.
 p is the target's T = 1 distribution; with --temperature 0 (greedy answers) only top1 describes acceptance.
 
     python bench/acceptance_bounds.py --limit 48 --max-tokens 64 --temperature 1 --out FILE.json
@@ -26,8 +27,10 @@ import json
 import random
 import sys
 import time
+from collections import Counter
 
 import torch
+from specwire.drafter.chain_visits import anchor_acceptance, chain_metrics, chain_sums
 from specwire.drafter.eagle_head import load_eagle_head, shared_target_weights
 from specwire.drafter.eagle_trainer import Trainer, chain_length
 from specwire.drafter.self_distill import Conversation, Prompt, distill, record_features
@@ -104,37 +107,6 @@ def overlap_top_k(p: torch.Tensor, q: torch.Tensor, k: int) -> torch.Tensor:
     return torch.minimum(p.gather(-1, idx), top / top.sum(-1, keepdim=True)).sum(-1)
 
 
-def replay_chain(hits: torch.Tensor, mask: torch.Tensor) -> list[int]:
-    """Accepted drafts of each round of a greedy k = K chain over each row: hits [K, B, T] says whether
-    step j's draft at index s is the target's token (anchor s - j), mask [B, T] the response indices. A
-    round at anchor i accepts the leading hits of steps 0..K-1 (indices i..i+K-1); then a + 1 on."""
-    out = []
-    for b in range(mask.shape[0]):
-        valid = mask[b].nonzero().flatten().tolist()
-        if not valid:
-            continue
-        i, end = valid[0], valid[-1]
-        while i + K - 1 <= end:  # whole rounds only: the answer's end cuts the last one short
-            a = 0
-            while a < K and bool(hits[a, b, i + a]):
-                a += 1
-            out.append(a)
-            i += a + 1
-    return out
-
-
-def replay_summary(rounds: list[int]) -> dict:
-    """Mean acceptance length of the replayed rounds, per position (as bench reports it), and top-1 at the
-    rounds' first draft (what a round start sees, against top1[0] at every anchor)."""
-    n = len(rounds)
-    return {
-        "rounds": n,
-        "mean_acceptance_length": round(1 + sum(rounds) / n, 3),
-        "acceptance_per_position": [round(sum(r > j for r in rounds) / n, 4) for j in range(K)],
-        "round_start_top1": round(sum(r > 0 for r in rounds) / n, 4),
-    }
-
-
 @torch.no_grad()
 def main() -> None:
     a = parse_args()
@@ -150,7 +122,7 @@ def main() -> None:
     scales = [float(c) for c in a.q_scales.split(",") if c]
     sums: dict[str, list[float]] = {}
     positions = [0.0] * K
-    rounds: list[int] = []  # accepted drafts of each replayed round (T = 0)
+    chain: Counter = Counter()  # chain_sums of the replayed rounds (T = 0)
     for batch in trainer._batches(conversations, epoch=None):
         x = trainer._inputs(record_features(engine, [conversations[i] for i in batch]))
         p = torch.softmax(engine.model.lm_head(x["target"].to(engine.dtype)).float(), -1)
@@ -158,7 +130,7 @@ def main() -> None:
         outs = unroll(head, x["ids"], x["feats"], K)
         if a.temperature == 0:
             hits = [head.draft_to_target[head.logits(o).argmax(-1)] == p.argmax(-1) for o in outs]
-            rounds += replay_chain(torch.stack(hits).cpu(), x["mask"].cpu())
+            chain.update(chain_sums(anchor_acceptance(hits, K), x["mask"]))
         for j, out in enumerate(outs):
             m = step_mask(x["mask"], j)
             logits = head.logits(out)[m]
@@ -184,7 +156,7 @@ def main() -> None:
     result = {
         **provenance(engine, a.head),
         "answers": {"temperature": a.temperature, "conversations": len(conversations)},
-        **({"chain_replay": replay_summary(rounds)} if rounds else {}),
+        **({"chain_replay": chain_metrics(chain)} if chain else {}),
         "positions_per_step": [int(n) for n in positions],
         "per_step": per_step,
         "acceptance_length_proxy_k4": proxy,

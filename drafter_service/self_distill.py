@@ -161,6 +161,7 @@ class Sample:
     hidden: torch.Tensor  # [n, H] final normed hidden state (EAGLE-1 features, and the target's logits)
     aux: torch.Tensor | None  # [n, 3H] EAGLE-3 taps
     source: str = ""
+    temperature: float = 0.0  # the response's (0: greedy)
 
 
 def chat_ids(engine: TargetEngine, prompt: Prompt | str) -> list[int]:
@@ -269,6 +270,6 @@ def record_features(engine: TargetEngine, conversations: list[Conversation]) -> 
             n = len(seq)
             aux = out.aux_hidden[offset : offset + n] if out.aux_hidden is not None else None
             hidden = out.hidden[offset : offset + n]
-            samples.append(Sample(torch.tensor(seq), c.prompt_len, hidden, aux, c.source))
+            samples.append(Sample(torch.tensor(seq), c.prompt_len, hidden, aux, c.source, c.temperature))
             offset += n
     return samples

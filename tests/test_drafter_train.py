@@ -1,6 +1,7 @@
 """train-eagle on a tiny random target (CPU): runs end to end within its budget and writes a loadable head
 from a capped, stratified prompt mix. The mix helpers (cap, stratified split, instruction screening) alone."""
 
+import itertools
 import json
 import math
 from collections import Counter
@@ -105,7 +106,11 @@ def data_dir(tmp_path_factory) -> Path:
 
 
 @pytest.mark.parametrize(
-    ("arch", "loss"), [("eagle1", []), ("eagle3", ["--tv-weight", "0.5", "--answers-per-prompt", "2"])]
+    ("arch", "loss"),
+    [
+        ("eagle1", []),
+        ("eagle3", ["--tv-weight", "0.5", "--answers-per-prompt", "2", "--visit-weight", "0.5"]),
+    ],
 )
 def test_train_eagle_smoke_writes_a_loadable_head(tiny_target, data_dir, tmp_path, capsys, arch, loss):
     out = tmp_path / "head"
@@ -162,6 +167,10 @@ def test_train_eagle_smoke_writes_a_loadable_head(tiny_target, data_dir, tmp_pat
     assert sum(m["positions"] for m in per_answer.values()) == last["positions"]
     for m in (last, *per_answer.values()):
         assert 1.0 <= m["acceptance_length_proxy_k4_t1"] <= 5.0
+        # the chain replayed on the text: per-position rates fall, and sum to the length less one
+        rates = m["chain_per_position"]
+        assert len(rates) == 4 and all(1.0 >= a >= b >= 0.0 for a, b in itertools.pairwise(rates))
+        assert m["chain_length_k4"] == pytest.approx(1 + sum(rates), abs=2e-3)
         for j in range(1, 5):
             assert 0.0 <= m[f"accept_t1_{j}"] <= m[f"overlap_{j}"] + 1e-6
         if arch == "eagle3":
