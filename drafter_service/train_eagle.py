@@ -129,12 +129,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "(T = 1) acceptance directly (default 0: KL only)",
     )
     p.add_argument(
-        "--visit-weight", type=float, default=0.0,
-        help="share of each anchor's loss weight given by the chance that a k = 4 chain starts a round there "
-        "(drafter_service.chain_visits; the rest uniform): drafting starts right after a rejected draft, so "
-        "train where it happens (default 0: uniform)",
-    )  # fmt: skip
-    p.add_argument(
         "--draft-vocab",
         type=int,
         default=0,
@@ -171,8 +165,6 @@ def _validate(args: argparse.Namespace) -> None:
         raise ValueError(f"--holdout must be in (0, 1), got {args.holdout}")
     if not 0 < args.max_source_share <= 1:
         raise ValueError(f"--max-source-share must be in (0, 1], got {args.max_source_share}")
-    if not 0 <= args.visit_weight <= 1:
-        raise ValueError(f"--visit-weight must be in [0, 1], got {args.visit_weight}")
     if args.answers_per_prompt < 1:
         raise ValueError(f"--answers-per-prompt must be >= 1, got {args.answers_per_prompt}")
     if args.tv_weight < 0:

@@ -9,7 +9,6 @@ from specwire.drafter.chain_visits import (
     anchor_acceptance,
     chain_metrics,
     chain_sums,
-    visit_weights,
     visits,
 )
 
@@ -94,16 +93,3 @@ def test_sampled_visits_are_the_chance_of_a_round_start():
     assert sums["rounds"] == pytest.approx(len(rounds) / n, rel=0.01)
     length = chain_metrics(sums)["mean_acceptance_length"]
     assert length == pytest.approx(1 + np.mean(rounds), abs=5 * np.std(rounds) / np.sqrt(len(rounds)) + 1e-3)
-
-
-def test_visit_weights_average_one_and_follow_the_visits():
-    rng = np.random.default_rng(2)
-    mask = response_mask(5, 30, rng)
-    visit, _ = visits(torch.from_numpy(rng.uniform(0, 1, (K, 5, 30))), mask)
-    for share in (0.0, 0.5, 1.0):
-        w = visit_weights(visit, mask, share)
-        assert float(w[mask].mean()) == pytest.approx(1.0)
-        assert not w[~mask].any()
-    assert torch.allclose(visit_weights(visit, mask, 0.0)[mask], torch.ones(int(mask.sum()), dtype=w.dtype))
-    full = visit_weights(visit, mask, 1.0)
-    assert torch.allclose(full / full[mask].mean(), visit / visit[mask].mean())

@@ -109,7 +109,7 @@ def data_dir(tmp_path_factory) -> Path:
     ("arch", "loss"),
     [
         ("eagle1", []),
-        ("eagle3", ["--tv-weight", "0.5", "--answers-per-prompt", "2", "--visit-weight", "0.5"]),
+        ("eagle3", ["--tv-weight", "0.5", "--answers-per-prompt", "2"]),
     ],
 )
 def test_train_eagle_smoke_writes_a_loadable_head(tiny_target, data_dir, tmp_path, capsys, arch, loss):
