@@ -52,7 +52,7 @@ def chain_sums(accept: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
     k, mask = accept.shape[0], mask.cpu()
     visit, at_least = visits(accept, mask)
     whole = torch.zeros_like(mask, dtype=torch.float64)
-    whole[:, : mask.shape[1] - k + 1] = mask[:, k - 1 :].cpu().double()
+    whole[:, : mask.shape[1] - k + 1] = mask[:, k - 1 :].double()
     start = visit * whole
     sums = {"rounds": float(start.sum()), "tokens": float(start.sum() + (start * at_least).sum())}
     return sums | {f"accepted_{j + 1}": float((start * at_least[j]).sum()) for j in range(k)}

@@ -364,7 +364,7 @@ def _metrics(sums: Counter, steps: int) -> dict[str, float]:
     metrics = {k: round(v / max(sums["n"], 1), 4) for k, v in sums.items()
                if k != "n" and not k.startswith("chain_")}
     chain = {k.removeprefix("chain_"): v for k, v in sums.items() if k.startswith("chain_")}
-    if chain:  # the k = 4 chain replayed on the text: greedy answers as T = 0 drafting sees them
+    if chain:
         replay = chain_metrics(chain)
         metrics["chain_length_k4"] = replay["mean_acceptance_length"]
         metrics["chain_per_position"] = replay["acceptance_per_position"]
