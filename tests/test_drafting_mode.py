@@ -57,6 +57,24 @@ def test_a_draining_batch_is_judged_per_request():
     assert d.mode == "serial"
 
 
+def test_the_round_that_pays_the_switch_is_not_measured():
+    """After rounds without drafts the drafter catches up on their tokens in the next epoch's first round
+    (slow, and without drafts): that is the switch's cost, not the mode's, and would keep every mode but
+    "none" from being taken back."""
+    d = DraftingMode(epoch_rounds=4, explore_every=8)
+    speed = {"tables": (16, 0.010), "serial": (30, 0.012), "none": (10, 0.008)}
+    for mode, (tokens, seconds) in speed.items():
+        assert d.mode == mode
+        d.record(1, 1, 0.100)  # the switch
+        for _ in range(d.epoch_rounds - 1):
+            d.record(tokens, 1, seconds)
+    assert d.rate == pytest.approx({"tables": 1600.0, "serial": 2500.0, "none": 1250.0})
+    assert d.mode == "serial"
+    one = DraftingMode(epoch_rounds=1)  # epochs of one round: that round is all there is to measure
+    one.record(10, 1, 0.01)
+    assert one.rate["tables"] == pytest.approx(1000.0)
+
+
 def test_bad_settings_are_refused():
     with pytest.raises(ValueError, match="epoch_rounds"):
         DraftingMode(epoch_rounds=0)

@@ -7,7 +7,9 @@ for SmolLM2 at batch 16 on two H200s. Where neither pays (sampled SmolLM2 reques
 tables 0.71x-0.92x, serial 0.44x-0.51x, bench/results/session29/), rounds without drafts ("none") lose least.
 Which one wins depends on the models, the batch, the temperature and the drafter's speed, so it is measured:
 rounds run in epochs of one mode, an epoch's tokens per request-second updates that mode's estimate, the
-fastest mode runs next, and every `explore_every`-th epoch runs one of the others again, in turn.
+fastest mode runs next, and every `explore_every`-th epoch runs one of the others again, in turn. An epoch's
+first round is not measured: it pays for the switch (the drafter catching up on the tokens of rounds it was
+not told of, a table never drafted), which would fall on whichever mode follows rounds without drafts.
 Per request, not per second: a static batch drains as its requests end, and an epoch measured on its tail
 would read slow for a reason that is not its mode. (Per request is fair where a round's time barely depends on
 its rows, as in the memory-bound batches speculation serves; where rounds grow with the batch, a small tail
@@ -35,8 +37,9 @@ class DraftingMode:
         from its start (waits for its drafts included) to its tokens, and not the prefill steps or the idle
         time between rounds, which would fall on whichever mode runs when a batch ends or a request comes."""
         self._rounds += 1
-        self._tokens += tokens
-        self._request_seconds += requests * seconds
+        if self._rounds > 1 or self.epoch_rounds == 1:  # an epoch's first round pays the switch
+            self._tokens += tokens
+            self._request_seconds += requests * seconds
         if self._rounds < self.epoch_rounds:
             return
         rate = self._tokens / max(self._request_seconds, 1e-9)
