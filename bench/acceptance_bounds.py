@@ -30,7 +30,7 @@ import time
 from collections import Counter
 
 import torch
-from specwire.drafter.chain_visits import anchor_acceptance, chain_metrics, chain_sums
+from specwire.drafter.chain_visits import anchor_acceptance, chain_metrics, chain_sums, drafted_anchors
 from specwire.drafter.eagle_head import load_eagle_head, shared_target_weights
 from specwire.drafter.eagle_trainer import Trainer, chain_length
 from specwire.drafter.self_distill import Conversation, Prompt, distill, record_features
@@ -130,7 +130,7 @@ def main() -> None:
         outs = unroll(head, x["ids"], x["feats"], K)
         if a.temperature == 0:
             hits = [head.draft_to_target[head.logits(o).argmax(-1)] == p.argmax(-1) for o in outs]
-            chain.update(chain_sums(anchor_acceptance(hits, K), x["mask"]))
+            chain.update(chain_sums(anchor_acceptance(hits, K), drafted_anchors(x["mask"])))
         for j, out in enumerate(outs):
             m = step_mask(x["mask"], j)
             logits = head.logits(out)[m]

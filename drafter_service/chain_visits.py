@@ -27,6 +27,15 @@ def anchor_acceptance(per_step: list[torch.Tensor], k: int) -> torch.Tensor:
     return out
 
 
+def drafted_anchors(response: torch.Tensor) -> torch.Tensor:
+    """The anchors a drafter drafts from [B, T], of a row's response anchors (the trainer's mask: anchor i
+    predicts token i + 2): all but each row's first, whose token, the response's first, the prefill writes."""
+    rows = response.any(1)
+    out = response.clone()
+    out[torch.arange(len(out), device=out.device)[rows], response.int().argmax(1)[rows]] = False
+    return out
+
+
 def visits(accept: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(chance that a round starts at each anchor [B, T], chance that it accepts at least j + 1 drafts
     [k, B, T]) for accept [k, B, T] (anchor_acceptance) over the anchors in mask [B, T], the response's.

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from specwire.drafter.chain_visits import anchor_acceptance, chain_metrics, chain_sums
+from specwire.drafter.chain_visits import anchor_acceptance, chain_metrics, chain_sums, drafted_anchors
 from specwire.drafter.draft_vocab import inside_mass, restricted_log_probs, target_argmax
 from specwire.drafter.eagle_head import EagleHead, save_eagle_head
 from specwire.drafter.self_distill import Conversation, Sample, record_features
@@ -245,7 +245,7 @@ class Trainer:
         if evaluating:  # the k = 4 chain on this text, on the target's full vocabulary
             to_target = head.draft_to_target if eagle3 else None
             accept = chain_acceptance(batch, all_logits, full_p, greedy_top1, to_target)
-            result |= {f"chain_{k}": v for k, v in chain_sums(accept, x["mask"]).items()}
+            result |= {f"chain_{k}": v for k, v in chain_sums(accept, drafted_anchors(x["mask"])).items()}
         total = 0.0
         for j, (out, logits) in enumerate(zip(outputs, all_logits, strict=True)):
             m = step_mask(x["mask"], j).float()
