@@ -127,13 +127,13 @@ def main() -> None:
         x = trainer._inputs(record_features(engine, [conversations[i] for i in batch]))
         p = torch.softmax(engine.model.lm_head(x["target"].to(engine.dtype)).float(), -1)
         p_in = p[..., head.draft_to_target]  # the target's probabilities of the draft vocabulary's tokens
-        outs = unroll(head, x["ids"], x["feats"], K)
+        step_logits = [head.logits(out) for out in unroll(head, x["ids"], x["feats"], K)]
         if a.temperature == 0:
-            hits = [head.draft_to_target[head.logits(o).argmax(-1)] == p.argmax(-1) for o in outs]
+            hits = [head.draft_to_target[lg.argmax(-1)] == p.argmax(-1) for lg in step_logits]
             chain.update(chain_sums(anchor_acceptance(hits, K), drafted_anchors(x["mask"])))
-        for j, out in enumerate(outs):
+        for j, all_logits in enumerate(step_logits):
             m = step_mask(x["mask"], j)
-            logits = head.logits(out)[m]
+            logits = all_logits[m]
             q = torch.softmax(logits, -1)
             pj, pin = p[m], p_in[m]
             values = {

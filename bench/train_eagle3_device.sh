@@ -53,10 +53,13 @@ collect() {  # head folder $1 to $OUT, its train_log.json if it has one: 3-4 fil
     split -b 15000000 "$1"/model.safetensors "$OUT"/model.safetensors.part.
 }
 
+start_head() {  # the head a run continues: the staged one if there is one, else the shipped one
+    if [ -d $M/init_head ]; then echo $M/init_head; else echo $SHIPPED; fi
+}
+
 train_cmd() {  # $1: the run's suffix (its head and checkpoint folders under $R); then its own flags. It
-    # continues the staged head if there is one, else the shipped head, unless INIT=none
-    local name=$1 init="--init-head $SHIPPED"; shift
-    [ -d $M/init_head ] && init="--init-head $M/init_head"
+    # continues start_head, unless INIT=none
+    local name=$1 init="--init-head $(start_head)"; shift
     [ "${INIT:-}" = none ] && init=""
     echo "python3 -m specwire train-eagle --model $M/smol.gguf --out $R/head$name --checkpoint $R/ckpt$name" \
         "--device cuda $init --lr ${LR:-6e-4} ${DRAFT_VOCAB:+--draft-vocab $DRAFT_VOCAB} ${TRAIN_ARGS:-} $*"
@@ -124,8 +127,7 @@ finish)
     [ -f $R/exit_code ] || { echo "training still running"; exit 3; }
     echo "train-eagle exit code $(cat $R/exit_code)"; tail -c 1500 $R/train.log
     heads="new:$R/head shipped:$SHIPPED"  # start's; ab's: both variants and the head they started from
-    init=$SHIPPED; [ -d $M/init_head ] && init=$M/init_head
-    [ -d $R/head_b ] && heads="a:$R/head_a b:$R/head_b init:$init"
+    [ -d $R/head_b ] && heads="a:$R/head_a b:$R/head_b init:$(start_head)"
     for t in 0 1; do
         for pair in $heads; do
             h=${pair%%:*} head=${pair#*:}
