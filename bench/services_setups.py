@@ -22,6 +22,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from specwire.verifier.drafting_mode import DEFAULT_EPOCH_ROUNDS
+
 from specwire.commands.demo import Service, free_port, start, stop, wait_drafter_connected, wait_serving
 
 SETUPS = ("two_gpus", "two_gpus_socket", "colocated", "colocated_two_gpus", "target_only", "transformers")
@@ -30,7 +32,6 @@ COLOCATED = ("colocated", "colocated_two_gpus")  # the setups with the drafter i
 TWO_GPUS = (*TWO_PROCESSES, "colocated_two_gpus")  # the setups whose drafter runs on the drafter's device
 # a forced speculation-cache hit rate, "off" (no cache), "adaptive" (tables or serial, measured) or None
 HitRate = float | str | None
-ADAPTIVE_EPOCH = 16  # rounds per drafting-mode epoch: a bench point runs a few hundred rounds
 CACHE_BRANCHES = 8  # table entries per request of the setups with the speculation cache
 
 
@@ -122,9 +123,10 @@ class Fleet:
                      *(["--drafter-device", drafter] if drafter else [])]
         if setup != "target_only":
             argv += [*(["--forced-acceptance-length", str(length)] if length is not None else []),
-                     # said either way: a co-located verifier's default is 0, a remote drafter's 8
+                     # said either way: a co-located verifier's default is 0, a remote drafter's 8; and
+                     # the drafting mode (a remote drafter's default: adaptive) fixed unless asked for
                      "--cache-branches", "0" if hit == "off" else str(CACHE_BRANCHES),
-                     *(["--drafting-epoch", str(ADAPTIVE_EPOCH)] if hit == "adaptive" else []),
+                     "--drafting-epoch", str(DEFAULT_EPOCH_ROUNDS) if hit == "adaptive" else "0",
                      *(["--forced-hit-rate", str(hit)] if isinstance(hit, float) else []), *w.verifier_args]
         service = self._start(f"verifier-{w.name}-{setup}-k{k}-L{length}-hit{hit}", argv)
         if setup in TWO_PROCESSES and not wait_drafter_connected(service.port, 120):

@@ -1,0 +1,43 @@
+"""The verifier's flags whose defaults follow from others: a remote drafter gets the speculation cache and the
+measured drafting mode, a co-located one serial drafting; conflicts and out-of-range values are refused."""
+
+import argparse
+
+import pytest
+from specwire.verifier.cli import check_flags
+from specwire.verifier.drafting_mode import DEFAULT_EPOCH_ROUNDS
+
+from specwire.cli import build_parser
+
+
+def verifier_flags(*argv: str) -> argparse.Namespace:
+    args = build_parser("verifier").parse_args(["verifier", *argv])
+    check_flags(args)
+    return args
+
+
+@pytest.mark.parametrize("argv, cache_branches, drafting_epoch", [
+    (["--drafter", "127.0.0.1:50052"], 8, DEFAULT_EPOCH_ROUNDS),  # tables, serial or none: measured
+    (["--drafter", "127.0.0.1:50052", "--cache-branches", "0"], 0, 0),  # serial drafting, as asked
+    (["--drafter", "127.0.0.1:50052", "--drafting-epoch", "0"], 8, 0),  # tables always, as asked
+    (["--drafter", "127.0.0.1:50052", "--drafting-epoch", "32"], 8, 32),
+    (["--colocated"], 0, 0),  # queued serial drafts, the co-located default
+])
+def test_drafting_defaults(argv, cache_branches, drafting_epoch):
+    args = verifier_flags(*argv)
+    assert (args.cache_branches, args.drafting_epoch) == (cache_branches, drafting_epoch)
+
+
+def test_environment_sets_the_drafting_epoch(monkeypatch):
+    monkeypatch.setenv("SPECWIRE_DRAFTING_EPOCH", "0")
+    assert verifier_flags("--drafter", "127.0.0.1:50052").drafting_epoch == 0
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--drafter", "127.0.0.1:50052", "--drafting-epoch", "-1"], "--drafting-epoch must be >= 0"),
+    (["--drafter", "127.0.0.1:50052", "--cache-branches", "-2"], "--cache-branches must be >= 0"),
+    (["--colocated", "--drafter", "127.0.0.1:50052"], "leave out --drafter"),
+])
+def test_bad_flags_are_refused(argv, message):
+    with pytest.raises(ValueError, match=message):
+        verifier_flags(*argv)
