@@ -1,6 +1,6 @@
 """The adaptive verifier's choice between tables, serial drafting and rounds without drafts
-(verifier_service/drafting_mode.py): measured epochs, the fastest mode kept, the others tried again in turn
-every `explore_every`-th epoch."""
+(verifier_service/drafting_mode.py): measured epochs, the fastest mode kept, the others tried again at gaps
+that double while they keep losing."""
 
 import pytest
 from specwire.verifier.drafting_mode import DraftingMode
@@ -14,15 +14,26 @@ def run_epoch(d: DraftingMode, tokens_per_round: int, seconds_per_round: float, 
     return mode
 
 
-def test_each_mode_once_then_the_fastest_with_the_others_explored_in_turn():
-    d = DraftingMode(epoch_rounds=4, explore_every=3)
+def test_each_mode_once_then_the_fastest_with_the_others_retried_ever_less_often():
+    d = DraftingMode(epoch_rounds=4, explore_every=3, max_gap=12)
     # serial: 2,500 tok/s against tables' 1,600 and none's 1,250
     speed = {"tables": (16, 0.010), "serial": (30, 0.012), "none": (10, 0.008)}
-    modes = [run_epoch(d, *speed[d.mode]) for _ in range(10)]
+    modes = [run_epoch(d, *speed[d.mode]) for _ in range(40)]
     assert modes[:3] == ["tables", "serial", "none"]  # each measured once
     assert d.rate == pytest.approx({"tables": 1600.0, "serial": 2500.0, "none": 1250.0})
-    # Then serial, except every third epoch, which tries the others again, the faster of them first.
-    assert modes[3:] == ["tables", "serial", "serial", "none", "serial", "serial", "tables"]
+    # A loser is retried 3 epochs after it last ran, then after 6, 12, and 12 again (max_gap); serial runs
+    # the rest.
+    assert [i for i, m in enumerate(modes) if m == "tables"] == [0, 3, 9, 21, 33]
+    assert [i for i, m in enumerate(modes) if m == "none"] == [2, 5, 11, 23, 35]
+    assert modes.count("serial") == 40 - 10
+
+
+def test_a_mode_that_keeps_losing_costs_about_one_epoch_in_max_gap():
+    d = DraftingMode(epoch_rounds=2, explore_every=8, max_gap=64)
+    speed = {"tables": (7, 0.010), "serial": (10, 0.020), "none": (9, 0.010)}
+    modes = [run_epoch(d, *speed[d.mode]) for _ in range(1000)]
+    retries = sum(m != "none" for m in modes[200:])  # in the steady state: each loser once in 65 epochs
+    assert 2 * 800 / 65 - 2 <= retries <= 2 * 800 / 65 + 2
 
 
 def test_a_mode_that_got_faster_is_taken_back():
@@ -30,9 +41,26 @@ def test_a_mode_that_got_faster_is_taken_back():
     run_epoch(d, 10, 0.01)  # tables: 1,000 tok/s
     run_epoch(d, 20, 0.01)  # serial: 2,000 tok/s
     run_epoch(d, 5, 0.01)  # none: 500 tok/s
-    assert d.mode == "tables"  # the exploration epoch right after the first three
+    assert d.mode == "tables"  # the first retry, 3 epochs after its measurement
     run_epoch(d, 50, 0.01)  # tables now measure 5,000 tok/s: their estimate becomes 3,000
-    assert d.rate["tables"] == pytest.approx(3000.0) and d.mode == "tables"
+    assert d.rate["tables"] == pytest.approx(3000.0)
+    speed = {"tables": 50, "serial": 20, "none": 5}
+    modes = [run_epoch(d, speed[d.mode], 0.01) for _ in range(8)]
+    assert modes == ["serial", "none", "tables", "tables", "tables", "tables", "serial", "none"]
+
+
+def test_a_loser_that_becomes_the_fastest_is_found_within_max_gap():
+    """Long after it settled on rounds without drafts (the gaps at their longest), the load changes and the
+    tables become the fastest: the next retry finds them, within max_gap epochs, and they are kept."""
+    d = DraftingMode(epoch_rounds=2, explore_every=4, max_gap=16)
+    slow = {"tables": (7, 0.010), "serial": (10, 0.020), "none": (9, 0.010)}
+    for _ in range(200):
+        run_epoch(d, *slow[d.mode])
+    fast = {**slow, "tables": (20, 0.010)}
+    modes = [run_epoch(d, *fast[d.mode]) for _ in range(40)]
+    first = modes.index("tables")
+    after = modes[first + 1:]  # the tables, but for the others' retries (none's gap starts short again)
+    assert first <= 16 and after.count("tables") >= 0.8 * len(after)
 
 
 def test_where_no_drafting_pays_rounds_without_drafts_are_kept():
@@ -78,3 +106,5 @@ def test_the_round_that_pays_the_switch_is_not_measured():
 def test_bad_settings_are_refused():
     with pytest.raises(ValueError, match="epoch_rounds"):
         DraftingMode(epoch_rounds=0)
+    with pytest.raises(ValueError, match="max_gap"):
+        DraftingMode(epoch_rounds=4, explore_every=8, max_gap=4)

@@ -683,9 +683,13 @@ def test_greedy_with_adaptive_drafting_equals_target_only(world):
         greedy_equals_target_only(world, v, 8, seed=21)
         assert all(v.counter(v.metrics.drafting_rounds[m]) > 0 for m in ("tables", "serial", "none"))
         assert v.counter(v.metrics.num_accepted_tokens) > 0 and v.counter(v.metrics.cache["hit"]) > 0
-        # Drafted again after the epochs without drafts: the drafter was caught up, not left behind.
+        # Drafted again after the epochs without drafts (a losing mode's retry: 8, then 16 epochs after it
+        # last ran), the drafter caught up, not left behind; the output still target-only's.
         drafted = v.counter(v.metrics.num_draft_tokens)
-        greedy_equals_target_only(world, v, 8, seed=22)
+        for seed in range(22, 26):
+            greedy_equals_target_only(world, v, 8, seed=seed)
+            if v.counter(v.metrics.num_draft_tokens) > drafted:
+                break
         assert v.counter(v.metrics.num_draft_tokens) > drafted
         assert v.counter(v.metrics.bad_payloads, reason="unknown_request") == 0
 

@@ -7,9 +7,15 @@ for SmolLM2 at batch 16 on two H200s. Where neither pays (sampled SmolLM2 reques
 tables 0.71x-0.92x, serial 0.44x-0.51x, bench/results/session29/), rounds without drafts ("none") lose least.
 Which one wins depends on the models, the batch, the temperature and the drafter's speed, so it is measured:
 rounds run in epochs of one mode, an epoch's tokens per request-second updates that mode's estimate, the
-fastest mode runs next, and every `explore_every`-th epoch runs one of the others again, in turn. An epoch's
-first round is not measured: it pays for the switch (the drafter catching up on the tokens of rounds it was
-not told of, a table never drafted), which would fall on whichever mode follows rounds without drafts.
+fastest mode runs next, and each of the others runs again once its gap has passed: `explore_every` epochs
+after it last ran, doubled each time a retry finds it still slower (up to `max_gap`), back to `explore_every`
+once it has been the fastest. A mode that keeps losing then costs about one epoch in `max_gap`, not one in
+`explore_every`, and one that got faster is still found within `max_gap` epochs. (Retried every 8th epoch, the
+losing modes ran 12-19% of the rounds for SmolLM2 at T = 1 on two H200s, where rounds without drafts won and a
+serial round took 5.1-5.4 ms for 1.9 tokens against 1.2-1.5 ms a target-only token: bench/results/session31/.)
+An epoch's first round is not measured: it pays for the switch (the drafter catching up on the tokens of
+rounds it was not told of, a table never drafted), which would fall on whichever mode follows rounds without
+drafts.
 Per request, not per second: a static batch drains as its requests end, and an epoch measured on its tail
 would read slow for a reason that is not its mode. (Per request is fair where a round's time barely depends on
 its rows, as in the memory-bound batches speculation serves; where rounds grow with the batch, a small tail
@@ -27,14 +33,17 @@ DEFAULT_EPOCH_ROUNDS = 16
 
 
 class DraftingMode:
-    def __init__(self, epoch_rounds: int, explore_every: int = 8):
-        if epoch_rounds < 1 or explore_every < 2:
-            raise ValueError(f"epoch_rounds must be >= 1 and explore_every >= 2, got {epoch_rounds}, "
-                             f"{explore_every}")
-        self.epoch_rounds, self.explore_every = epoch_rounds, explore_every
+    def __init__(self, epoch_rounds: int, explore_every: int = 8, max_gap: int = 64):
+        if epoch_rounds < 1 or explore_every < 2 or max_gap < explore_every:
+            raise ValueError(f"epoch_rounds must be >= 1, explore_every >= 2 and max_gap >= explore_every, "
+                             f"got {epoch_rounds}, {explore_every}, {max_gap}")
+        self.epoch_rounds, self.explore_every, self.max_gap = epoch_rounds, explore_every, max_gap
         self.mode = "tables"
         self.rate: dict[str, float | None] = dict.fromkeys(MODES)  # tokens per request-second, per mode
-        self._epochs = self._rounds = self._tokens = self._explored = 0
+        self._last = dict.fromkeys(MODES, 0)  # the epoch each mode last ran in
+        self._gap = dict.fromkeys(MODES, explore_every)  # epochs from a mode's last run to its next retry
+        self._retrying = False  # the current epoch runs a mode that was not the fastest
+        self._epochs = self._rounds = self._tokens = 0
         self._request_seconds = 0.0
 
     def record(self, tokens: int, requests: int, seconds: float) -> None:
@@ -50,17 +59,27 @@ class DraftingMode:
         rate = self._tokens / max(self._request_seconds, 1e-9)
         old = self.rate[self.mode]
         self.rate[self.mode] = rate if old is None else 0.5 * (old + rate)
+        if self._fastest() == self.mode:
+            self._gap[self.mode] = self.explore_every
+        elif self._retrying:
+            self._gap[self.mode] = min(2 * self._gap[self.mode], self.max_gap)
+        self._last[self.mode] = self._epochs
         self._epochs += 1
         self._rounds = self._tokens = 0
         self._request_seconds = 0.0
         self.mode = self._next()
 
+    def _fastest(self) -> str:
+        return max((m for m in MODES if self.rate[m] is not None), key=lambda m: self.rate[m])
+
     def _next(self) -> str:
         unmeasured = [m for m in MODES if self.rate[m] is None]
+        self._retrying = False
         if unmeasured:
             return unmeasured[0]
-        best, *others = sorted(MODES, key=lambda m: self.rate[m], reverse=True)
-        if self._epochs % self.explore_every:
+        best = self._fastest()
+        due = [m for m in MODES if m != best and self._epochs >= self._last[m] + self._gap[m]]
+        if not due:
             return best
-        self._explored += 1
-        return others[(self._explored - 1) % len(others)]
+        self._retrying = True
+        return min(due, key=lambda m: (self._last[m] + self._gap[m], -self.rate[m]))  # the longest due first
