@@ -5,7 +5,7 @@ Families read (absent ones give None, so the bench runs against older or newer s
 - verifier: specwire_verify_step_seconds (engine-thread time of one step: forward, sampling, readback),
   specwire_drafter_rpc_latency_seconds (DraftStep sent to its result received), specwire_drafter_rpc_bytes
   {direction}, specwire_spec_cache_lookups{result="hit"|"miss"|"late"|"unasked"} (the speculation cache,
-  when present);
+  when present), specwire_spec_cache_round{s,_seconds,_tokens}{mode} (its rounds by drafting mode);
 - drafter: specwire_drafter_step_seconds (compute of one DraftStep).
 """
 
@@ -98,10 +98,15 @@ def cache_hit_rate(delta: Delta) -> dict[str, float | None] | None:
     total = sum(counts[r] or 0.0 for r in ("hit", "miss", "late"))
     family = "specwire_spec_cache_just_in_time_total"
     just_in_time = {r: delta.get("verifier", f'{family}{{result="{r}"}}') for r in JUST_IN_TIME_RESULTS}
-    family = "specwire_spec_cache_rounds_total"
-    rounds = {m: delta.get("verifier", f'{family}{{mode="{m}"}}') for m in DRAFTING_MODES}
+    by_mode = {name: {m: delta.get("verifier", f'specwire_spec_cache_{name}_total{{mode="{m}"}}')
+                      for m in DRAFTING_MODES} for name in ("rounds", "round_seconds", "round_tokens")}
+    rounds, seconds, tokens = by_mode["rounds"], by_mode["round_seconds"], by_mode["round_tokens"]
     return {**counts, "hit_rate": (counts["hit"] or 0.0) / total if total else None,
-            "just_in_time": just_in_time, "rounds": rounds}
+            "just_in_time": just_in_time, "rounds": rounds,
+            "round_ms": {m: 1e3 * seconds[m] / rounds[m] if rounds[m] and seconds[m] is not None else None
+                         for m in DRAFTING_MODES},
+            "tokens_per_round": {m: tokens[m] / rounds[m] if rounds[m] and tokens[m] is not None else None
+                                 for m in DRAFTING_MODES}}
 
 
 def wire_bytes_per_step(delta: Delta) -> dict[str, float | None]:

@@ -217,6 +217,19 @@ class VerifierMetrics(_ServiceMetrics):
             ["mode"],
         )
         self.drafting_rounds = {m: self.spec_cache_rounds.labels(mode=m) for m in DRAFTING_MODES}
+        self.spec_cache_round_seconds = c(
+            "spec_cache_round_seconds",
+            "Those rounds' time by mode, each from its start (waits for its drafts included) to its tokens: "
+            "over spec_cache_rounds, a mode's mean round; what the drafting mode compares.",
+            ["mode"],
+        )
+        self.drafting_seconds = {m: self.spec_cache_round_seconds.labels(mode=m) for m in DRAFTING_MODES}
+        self.spec_cache_round_tokens = c(
+            "spec_cache_round_tokens",
+            "Tokens those rounds settled, by mode (summed over their requests).",
+            ["mode"],
+        )
+        self.drafting_tokens = {m: self.spec_cache_round_tokens.labels(mode=m) for m in DRAFTING_MODES}
         self.queued_drafts = c(
             "queued_drafts",
             "Requests whose next drafts a co-located drafter queued on the device right behind the sampler "

@@ -40,7 +40,14 @@ def test_round_split_cache_and_bytes_from_two_scrapes():
                           f"{TRIP}_sum": 0.16, 'specwire_drafter_rpc_bytes_total{direction="sent"}': 5000.0,
                           'specwire_spec_cache_lookups_total{result="hit"}': 75.0,
                           'specwire_spec_cache_lookups_total{result="miss"}': 25.0,
-                          'specwire_spec_cache_just_in_time_total{result="drafted"}': 20.0},
+                          'specwire_spec_cache_just_in_time_total{result="drafted"}': 20.0,
+                          # an adaptive verifier: 80 rounds without drafts (1.5 ms, one token each), 20 serial
+                          'specwire_spec_cache_rounds_total{mode="none"}': 80.0,
+                          'specwire_spec_cache_round_seconds_total{mode="none"}': 0.12,
+                          'specwire_spec_cache_round_tokens_total{mode="none"}': 80.0,
+                          'specwire_spec_cache_rounds_total{mode="serial"}': 20.0,
+                          'specwire_spec_cache_round_seconds_total{mode="serial"}': 0.1,
+                          'specwire_spec_cache_round_tokens_total{mode="serial"}': 50.0},
              "drafter": {f"{draft}_count": 100, f"{draft}_sum": 0.05}}
     delta = Delta(before, after)
     split = round_split(delta, wall=0.5)  # 100 steps in 0.5 s
@@ -54,7 +61,9 @@ def test_round_split_cache_and_bytes_from_two_scrapes():
     assert got["drafter_round_trip"] == pytest.approx(2.0) and got["host"] == pytest.approx(5.0 - 2.0 - 0.2)
     cache = cache_hit_rate(delta)
     assert cache.pop("just_in_time") == {"drafted": 20.0, "undrafted": None, "late": None, "declined": None}
-    assert cache.pop("rounds") == {"tables": None, "serial": None, "none": None}
+    assert cache.pop("rounds") == {"tables": None, "serial": 20.0, "none": 80.0}
+    assert cache.pop("round_ms") == pytest.approx({"tables": None, "serial": 5.0, "none": 1.5})
+    assert cache.pop("tokens_per_round") == pytest.approx({"tables": None, "serial": 2.5, "none": 1.0})
     assert cache == pytest.approx({"hit": 75, "miss": 25, "late": None, "unasked": None, "hit_rate": 0.75})
     assert cache_hit_rate(Delta(before, before)) is None
     assert wire_bytes_per_step(delta) == {"sent": 50.0, "received": None}

@@ -681,7 +681,10 @@ def test_greedy_with_adaptive_drafting_equals_target_only(world):
     forth; the tokens settled in epochs without drafts reach the drafter with the next step."""
     with verifier_of_the_world_drafter(world, drafting_epoch=2) as v:
         greedy_equals_target_only(world, v, 8, seed=21)
-        assert all(v.counter(v.metrics.drafting_rounds[m]) > 0 for m in ("tables", "serial", "none"))
+        for m in ("tables", "serial", "none"):  # rounds, their time and their tokens (>= 1 a round)
+            rounds = v.counter(v.metrics.drafting_rounds[m])
+            assert rounds > 0 and v.counter(v.metrics.drafting_seconds[m]) > 0
+            assert v.counter(v.metrics.drafting_tokens[m]) >= rounds
         assert v.counter(v.metrics.num_accepted_tokens) > 0 and v.counter(v.metrics.cache["hit"]) > 0
         # Drafted again after the epochs without drafts (a losing mode's retry: 8, then 16 epochs after it
         # last ran), the drafter caught up, not left behind; the output still target-only's.

@@ -565,12 +565,10 @@ class Scheduler:
             if rest or self._frees:
                 self._in_flight = self._send_step(rest, "serial")
         elif caching:
-            self.metrics.drafting_rounds[mode].inc()
-            if self._drafting is not None:
-                self._drafting.record(sum(len(t) for t in step.tokens), len(live),
-                                      time.perf_counter() - round_started)
-                if self._drafting.mode == "serial":  # the next round's drafts, for what this one settled
-                    self._in_flight = self._send_step([r for r in live if r.live], "chains")
+            self._count_round(mode, live, step, time.perf_counter() - round_started)
+            if self._drafting is not None and self._drafting.mode == "serial":
+                # the next round's drafts, for what this one settled
+                self._in_flight = self._send_step([r for r in live if r.live], "chains")
 
     async def _verify(self, live: list[Request], batch: BatchDrafts, queue: list[int]) -> _Step:
         """One verification, while the last round's tokens go out; the next drafts of rows `queue` are queued
@@ -660,15 +658,22 @@ class Scheduler:
             step = self._verify_on_worker(live, none, on_launch)
             self._settle_round(live, none.num_drafts, step)
             if drafting_epoch:  # the loop waits on this thread meanwhile: the mode is this thread's to update
-                self.metrics.drafting_rounds["none"].inc()
-                seconds = time.perf_counter() - started
-                self._drafting.record(sum(len(t) for t in step.tokens), len(live), seconds)
+                self._count_round("none", live, step, time.perf_counter() - started)
             # What this thread reads of the loop's state (flags, lists) is written whole, under the GIL.
             ended = self._drafting.mode != "none" if drafting_epoch else self.speculating
             if self._wake.is_set() or ended or not all(r.live for r in live) or step.carried:
                 return
             if self._admit_due():  # an admit_wait ran out
                 return
+
+    def _count_round(self, mode: str, live: list[Request], step: _Step, seconds: float) -> None:
+        """A speculation-cache round in the metrics, and in the drafting mode's estimate if it has one."""
+        tokens = sum(len(t) for t in step.tokens)
+        self.metrics.drafting_rounds[mode].inc()
+        self.metrics.drafting_seconds[mode].inc(seconds)
+        self.metrics.drafting_tokens[mode].inc(tokens)
+        if self._drafting is not None:
+            self._drafting.record(tokens, len(live), seconds)
 
     def _count_if_down(self) -> None:
         """A round verified without drafts because the drafter is gone is a fallback."""
