@@ -3,9 +3,9 @@
 Both services run in-process over real gRPC on 127.0.0.1, each on its own event-loop thread, with the tiny
 random target and the bigram EAGLE head of tests/test_services_e2e.py (SmolLM2's 49152-token vocabulary, so
 the sampler and the lm_head rows are real-sized; 4 layers of width 64, so the forward costs next to nothing).
-`--streams` requests at a time generate greedily while cProfile records four threads: the verifier's event
+`--streams` requests at a time generate greedily while cProfile records three threads: the verifier's event
 loop (scheduler, alignment, drafter link, streaming) and engine worker (forward, sampler, features), and the
-drafter's event loop (the Draft stream) and proposer worker (updates, drafting, the DraftResult).
+drafter's event loop (the Draft stream, and each step's updates, drafting and DraftResult, run on it).
 `--target-only` starts no drafter (k = 0): the verifier's two threads alone, each round a decode step.
 `--colocated` puts the same drafter inside the verifier's process behind the in-process link, its serial
 steps run on the verifier's loop as on a GPU (specwire.colocated; use with --cache-branches 0). As in
@@ -84,11 +84,11 @@ COMPONENTS = [
     ("loop: Scheduler._reap", "loop", ["_reap"]),
     ("drafter loop: DrafterService._serve_stream (all, minus awaits)", "drafter_loop", ["_serve_stream"]),
     ("drafter loop:   _StepReader.next", "drafter_loop", ["next"]),
-    ("drafter worker: run_step (all)", "drafter_worker", ["run_step"]),
-    ("drafter worker:   _apply (decode features, proposer add/update)", "drafter_worker", ["_apply"]),
-    ("drafter worker:   _propose", "drafter_worker", ["_propose"]),
-    ("drafter worker:     EagleProposer.propose", "drafter_worker", ["propose"]),
-    ("drafter worker:     _split (the DraftResult)", "drafter_worker", ["_split"]),
+    ("drafter loop: run_step (all)", "drafter_loop", ["run_step"]),
+    ("drafter loop:   _apply (decode features, proposer add/update)", "drafter_loop", ["_apply"]),
+    ("drafter loop:   _propose", "drafter_loop", ["_propose"]),
+    ("drafter loop:     EagleProposer.propose", "drafter_loop", ["propose"]),
+    ("drafter loop:     _split (the DraftResult)", "drafter_loop", ["_split"]),
 ]
 OWNERS = {  # function name -> a path fragment of its file, to tell apart same-named functions
     "_verify_on_worker": "scheduler", "verify": "engine", "decode": "engine", "_step": "engine",
@@ -271,7 +271,7 @@ def main() -> int:
     timer = {"cpu": time.thread_time, "wall": time.perf_counter}.get(args.timer)
     threads = {"loop": verifier_loop, "worker": scheduler._worker}
     if drafter:
-        threads |= {"drafter_loop": drafter_loop, "drafter_worker": drafter.service._worker}
+        threads |= {"drafter_loop": drafter_loop}  # the drafter drafts on its loop (fdb547f)
     profiles = {name: cProfile.Profile(timer) for name in threads} if timer else {}
     metrics = server.metrics
     steps_before = metrics.num_draft_tokens._value.get(), metrics.num_accepted_tokens._value.get()
