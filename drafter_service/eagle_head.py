@@ -372,26 +372,63 @@ def load_eagle_head(
     return head
 
 
+def _grown(head: EagleHead, layer: ModelConfig, target_weights: dict[str, torch.Tensor], seed: int
+           ) -> tuple[EagleHead, str, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """A head of the same kind with its decoder layer grown to `layer`, freshly initialised as init_weights
+    draws it; with its layer's key prefix, the trained head's weights and the new head's, to splice."""
+    c = head.config
+    wide = EagleHead(replace(c, layer=layer), target_weights, head.dtype, head.device, head.cos_sin.shape[0])
+    wide.init_weights(seed)
+    prefix = "layers.0." if c.arch == "eagle1" else "midlayer."
+    return wide, prefix, head.published_state_dict(), wide.published_state_dict()
+
+
 @torch.no_grad()
 def widen_mlp(head: EagleHead, intermediate_size: int, target_weights: dict[str, torch.Tensor],
               seed: int = 0) -> EagleHead:
     """The same head with a wider MLP that computes the same function, to grow a trained head's capacity and
     train on from it: the new gate and up rows start random (as init_weights draws them), the new
     down_proj columns at zero, so the new units add nothing until training moves them."""
-    c, prefix = head.config, "layers.0." if head.config.arch == "eagle1" else "midlayer."
-    if intermediate_size < c.layer.intermediate_size:
-        raise ValueError(f"an MLP of {c.layer.intermediate_size} cannot widen to {intermediate_size}")
-    wide = EagleHead(replace(c, layer=replace(c.layer, intermediate_size=intermediate_size)), target_weights,
-                     head.dtype, head.device, head.cos_sin.shape[0])
-    wide.init_weights(seed)
-    sd = head.published_state_dict()
-    grown = wide.published_state_dict()
-    old = c.layer.intermediate_size
+    old = head.config.layer.intermediate_size
+    if intermediate_size < old:
+        raise ValueError(f"an MLP of {old} cannot widen to {intermediate_size}")
+    layer = replace(head.config.layer, intermediate_size=intermediate_size)
+    wide, prefix, sd, grown = _grown(head, layer, target_weights, seed)
     for name in ("gate_proj", "up_proj"):
         key = f"{prefix}mlp.{name}.weight"
         sd[key] = torch.cat([sd[key], grown[key][old:]])
     down = f"{prefix}mlp.down_proj.weight"
     sd[down] = torch.cat([sd[down], torch.zeros_like(grown[down][:, old:])], dim=1)
+    wide.load_published(sd)
+    return wide
+
+
+def with_attention_heads(layer: ModelConfig, num_heads: int) -> ModelConfig:
+    """`layer` with `num_heads` query heads and as many key/value heads as keep its grouping."""
+    group = layer.num_heads // layer.num_kv_heads  # query heads per key/value head
+    if num_heads < 1 or num_heads % group:
+        raise ValueError(f"attention heads come in groups of {group} (to a key/value head), got {num_heads}")
+    return replace(layer, num_heads=num_heads, num_kv_heads=num_heads // group)
+
+
+@torch.no_grad()
+def widen_attention(head: EagleHead, num_heads: int, target_weights: dict[str, torch.Tensor],
+                    seed: int = 0) -> EagleHead:
+    """The same head with more attention heads, computing the same function: the new query heads come after
+    the old ones with new key/value heads of their own (the old query-to-key/value grouping unchanged), their
+    projections random as init_weights draws them and their o_proj columns at zero, so they add nothing
+    until training moves them. The format stays the published one (num_attention_heads,
+    num_key_value_heads)."""
+    layer = head.config.layer
+    if num_heads < layer.num_heads:
+        raise ValueError(f"{layer.num_heads} attention heads cannot widen to {num_heads}")
+    wide, prefix, sd, grown = _grown(head, with_attention_heads(layer, num_heads), target_weights, seed)
+    q_rows, kv_rows = layer.num_heads * layer.head_dim, layer.num_kv_heads * layer.head_dim
+    for name, rows in (("q_proj", q_rows), ("k_proj", kv_rows), ("v_proj", kv_rows)):
+        key = f"{prefix}self_attn.{name}.weight"
+        sd[key] = torch.cat([sd[key], grown[key][rows:]])
+    o = f"{prefix}self_attn.o_proj.weight"
+    sd[o] = torch.cat([sd[o], torch.zeros_like(grown[o][:, q_rows:])], dim=1)
     wide.load_published(sd)
     return wide
 

@@ -39,7 +39,9 @@ from specwire.drafter.eagle_head import (
     load_eagle_head,
     save_eagle_head,
     shared_target_weights,
+    widen_attention,
     widen_mlp,
+    with_attention_heads,
 )
 from specwire.drafter.eagle_trainer import Trainer
 from specwire.drafter.self_distill import (
@@ -137,6 +139,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "new ones' output rows mapped from the target's",
     )
     p.add_argument(
+        "--head-attention-heads",
+        type=int,
+        default=0,
+        help="the head's attention heads (default 0: the target's for a new head, --init-head's own for a "
+        "warm start); more than --init-head's grows it keeping what it computes (new heads start silent); "
+        "key/value heads follow, in the target's grouping",
+    )
+    p.add_argument(
         "--head-intermediate-size",
         type=int,
         default=0,
@@ -171,8 +181,9 @@ def _validate(args: argparse.Namespace) -> None:
         raise ValueError(f"--tv-weight must be >= 0, got {args.tv_weight}")
     if args.ttt_steps < 1:
         raise ValueError(f"--ttt-steps must be >= 1, got {args.ttt_steps}")
-    if args.head_intermediate_size < 0:
-        raise ValueError(f"--head-intermediate-size must be >= 0, got {args.head_intermediate_size}")
+    if args.head_intermediate_size < 0 or args.head_attention_heads < 0:
+        raise ValueError(f"--head-intermediate-size and --head-attention-heads must be >= 0, got "
+                         f"{args.head_intermediate_size} and {args.head_attention_heads}")
     if args.draft_vocab < 0:
         raise ValueError(f"--draft-vocab must be >= 0, got {args.draft_vocab}")
     if args.resume and not args.checkpoint:
@@ -398,12 +409,16 @@ def _new_head(args: argparse.Namespace, engine: TargetEngine, train: list[Conver
             )
         if args.head_intermediate_size:
             head = widen_mlp(head, args.head_intermediate_size, shared, args.seed)
+        if args.head_attention_heads:
+            head = widen_attention(head, args.head_attention_heads, shared, args.seed)
         if args.arch == "eagle3" and args.draft_vocab > head.config.draft_vocab_size:
             head = grow_draft_vocab(head, _frequent_responses(train, args.draft_vocab, target), shared)
     else:
         config = EagleHeadConfig.for_target(target, args.arch, args.draft_vocab or DEFAULT_DRAFT_VOCAB)
         if width := args.head_intermediate_size:
             config = replace(config, layer=replace(config.layer, intermediate_size=width))
+        if heads := args.head_attention_heads:
+            config = replace(config, layer=with_attention_heads(config.layer, heads))
         head = EagleHead(config, shared, torch.float32, engine.device, engine.max_context)
         head.init_weights(args.seed)
         if args.arch == "eagle3":

@@ -376,6 +376,15 @@ def test_resume_from_checkpoint_equals_an_uninterrupted_run(tiny_target, data_di
     assert json.loads((tmp_path / "w" / "config.json").read_text())["intermediate_size"] == 96
     w = load_file(tmp_path / "w" / "model.safetensors")
     assert w["midlayer.mlp.down_proj.weight"].shape == (a["midlayer.mlp.down_proj.weight"].shape[0], 96)
+    # A warm start that doubles the head's attention heads, key/value heads with them.
+    config = json.loads((so_far / "config.json").read_text())
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    assert _train(tiny_target, data_dir, tmp_path / "h", "--init-head", str(so_far),
+                  "--head-attention-heads", str(2 * heads), "--stop-after-steps", "1") == 0
+    config = json.loads((tmp_path / "h" / "config.json").read_text())
+    assert (config["num_attention_heads"], config["num_key_value_heads"]) == (2 * heads, 2 * kv_heads)
+    o_proj = "midlayer.self_attn.o_proj.weight"
+    assert load_file(tmp_path / "h" / "model.safetensors")[o_proj].shape[1] == 2 * a[o_proj].shape[1]
     # A warm start that grows the draft vocabulary (256 -> 300): the old ids kept, the log says the size.
     assert _train(tiny_target, data_dir, tmp_path / "v", "--init-head", str(so_far),
                   "--draft-vocab", "300", "--stop-after-steps", "1") == 0
