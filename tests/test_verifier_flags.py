@@ -22,6 +22,7 @@ def verifier_flags(*argv: str) -> argparse.Namespace:
     (["--drafter", "127.0.0.1:50052", "--drafting-epoch", "0"], 8, 0),  # tables always, as asked
     (["--drafter", "127.0.0.1:50052", "--drafting-epoch", "32"], 8, 32),
     (["--colocated"], 0, 0),  # queued serial drafts, the co-located default
+    (["--colocated", "--cache-branches", "8"], 8, 0),  # tables in-process, as asked: not measured adaptive
 ])
 def test_drafting_defaults(argv, cache_branches, drafting_epoch):
     args = verifier_flags(*argv)

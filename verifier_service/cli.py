@@ -74,9 +74,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with the speculation cache: try epochs of this many rounds of serial drafting "
                              "and of rounds without drafts beside the tables, and keep to whichever settles "
                              "the most tokens per request-second (serial wins where tables come late, none "
-                             "where no drafting pays; 0 = tables always; default 16 with the cache: the best "
-                             "mode or within 0.04x of it at every point of two runs, SmolLM2 on two H200s, "
-                             "bench/results/session31/)")
+                             "where no drafting pays; 0 = tables always; default 16 for a remote drafter: "
+                             "the best mode or within 0.04x of it at every point of two runs, SmolLM2 on two "
+                             "H200s, bench/results/session31/)")
     parser.add_argument("--queue-drafts", choices=("auto", "on", "off"),
                         default=env("SPECWIRE_QUEUE_DRAFTS", "auto"),
                         help="with --colocated and --cache-branches 0: queue each round's next drafts on the "
@@ -170,8 +170,8 @@ def check_flags(args: argparse.Namespace) -> None:
         args.cache_branches = 0 if args.colocated else 8
     if args.cache_branches < 0:
         raise ValueError(f"--cache-branches must be >= 0, got {args.cache_branches}")
-    if args.drafting_epoch is None:
-        args.drafting_epoch = DEFAULT_EPOCH_ROUNDS if args.cache_branches > 0 else 0
+    if args.drafting_epoch is None:  # measured for a remote drafter with the cache (bench/results/session31/)
+        args.drafting_epoch = DEFAULT_EPOCH_ROUNDS if args.cache_branches > 0 and not args.colocated else 0
     if args.drafting_epoch < 0:
         raise ValueError(f"--drafting-epoch must be >= 0, got {args.drafting_epoch}")
     if args.stream_interval < 1:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from specwire.metrics import DRAFTING_MODES as MODES  # ("tables", "serial", "none"): the metric's labels
 
-# A speculation-cache verifier's default epoch (--drafting-epoch): long enough to measure, short enough that a
+# A remote drafter's verifier's default epoch (--drafting-epoch): long enough to measure, short enough that a
 # bench point of a few hundred rounds tries every mode. The best mode or within 0.04x of it at every point of
 # two runs (SmolLM2 + shipped head, two H200s, batch 1 / 16 / 64, T = 0 and 1: bench/results/session31/).
 DEFAULT_EPOCH_ROUNDS = 16
