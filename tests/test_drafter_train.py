@@ -171,6 +171,7 @@ def test_train_eagle_smoke_writes_a_loadable_head(tiny_target, data_dir, tmp_pat
         rates = m["chain_per_position"]
         assert len(rates) == 4 and all(1.0 >= a >= b >= 0.0 for a, b in itertools.pairwise(rates))
         assert m["chain_length_k4"] == pytest.approx(1 + sum(rates), abs=2e-3)
+        assert 1.0 <= m["chain_length_k4_first128"] <= 5.0  # the same over each answer's first 128 tokens
         for j in range(1, 5):
             assert 0.0 <= m[f"accept_t1_{j}"] <= m[f"overlap_{j}"] + 1e-6
         if arch == "eagle3":
