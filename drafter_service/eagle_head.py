@@ -372,35 +372,37 @@ def load_eagle_head(
     return head
 
 
-def _grown(head: EagleHead, layer: ModelConfig, target_weights: dict[str, torch.Tensor], seed: int
-           ) -> tuple[EagleHead, str, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """A head of the same kind with its decoder layer grown to `layer`, freshly initialised as init_weights
-    draws it; with its layer's key prefix, the trained head's weights and the new head's, to splice."""
+def _grow(head: EagleHead, layer: ModelConfig, target_weights: dict[str, torch.Tensor], seed: int,
+          inputs: dict[str, int], output: str, old_columns: int) -> EagleHead:
+    """A head of the same kind with its decoder layer grown to `layer`, computing what `head` computes: the
+    trained weights keep their places, each new unit's input rows (`inputs`: weight name -> the trained
+    rows) come from a fresh head as init_weights draws them, and its columns of `output` are zero, so the new
+    units add nothing until training moves them."""
     c = head.config
     wide = EagleHead(replace(c, layer=layer), target_weights, head.dtype, head.device, head.cos_sin.shape[0])
     wide.init_weights(seed)
     prefix = "layers.0." if c.arch == "eagle1" else "midlayer."
-    return wide, prefix, head.published_state_dict(), wide.published_state_dict()
+    sd, fresh = head.published_state_dict(), wide.published_state_dict()
+    for name, rows in inputs.items():
+        key = f"{prefix}{name}.weight"
+        sd[key] = torch.cat([sd[key], fresh[key][rows:]])
+    key = f"{prefix}{output}.weight"
+    sd[key] = torch.cat([sd[key], torch.zeros_like(fresh[key][:, old_columns:])], dim=1)
+    wide.load_published(sd)
+    return wide
 
 
 @torch.no_grad()
 def widen_mlp(head: EagleHead, intermediate_size: int, target_weights: dict[str, torch.Tensor],
               seed: int = 0) -> EagleHead:
     """The same head with a wider MLP that computes the same function, to grow a trained head's capacity and
-    train on from it: the new gate and up rows start random (as init_weights draws them), the new
-    down_proj columns at zero, so the new units add nothing until training moves them."""
+    train on from it: the new gate and up rows start random, the new down_proj columns at zero."""
     old = head.config.layer.intermediate_size
     if intermediate_size < old:
         raise ValueError(f"an MLP of {old} cannot widen to {intermediate_size}")
     layer = replace(head.config.layer, intermediate_size=intermediate_size)
-    wide, prefix, sd, grown = _grown(head, layer, target_weights, seed)
-    for name in ("gate_proj", "up_proj"):
-        key = f"{prefix}mlp.{name}.weight"
-        sd[key] = torch.cat([sd[key], grown[key][old:]])
-    down = f"{prefix}mlp.down_proj.weight"
-    sd[down] = torch.cat([sd[down], torch.zeros_like(grown[down][:, old:])], dim=1)
-    wide.load_published(sd)
-    return wide
+    return _grow(head, layer, target_weights, seed, {"mlp.gate_proj": old, "mlp.up_proj": old},
+                 "mlp.down_proj", old)
 
 
 def with_attention_heads(layer: ModelConfig, num_heads: int) -> ModelConfig:
@@ -416,21 +418,15 @@ def widen_attention(head: EagleHead, num_heads: int, target_weights: dict[str, t
                     seed: int = 0) -> EagleHead:
     """The same head with more attention heads, computing the same function: the new query heads come after
     the old ones with new key/value heads of their own (the old query-to-key/value grouping unchanged), their
-    projections random as init_weights draws them and their o_proj columns at zero, so they add nothing
-    until training moves them. The format stays the published one (num_attention_heads,
-    num_key_value_heads)."""
+    projections random and their o_proj columns at zero. The format stays the published one
+    (num_attention_heads, num_key_value_heads)."""
     layer = head.config.layer
     if num_heads < layer.num_heads:
         raise ValueError(f"{layer.num_heads} attention heads cannot widen to {num_heads}")
-    wide, prefix, sd, grown = _grown(head, with_attention_heads(layer, num_heads), target_weights, seed)
     q_rows, kv_rows = layer.num_heads * layer.head_dim, layer.num_kv_heads * layer.head_dim
-    for name, rows in (("q_proj", q_rows), ("k_proj", kv_rows), ("v_proj", kv_rows)):
-        key = f"{prefix}self_attn.{name}.weight"
-        sd[key] = torch.cat([sd[key], grown[key][rows:]])
-    o = f"{prefix}self_attn.o_proj.weight"
-    sd[o] = torch.cat([sd[o], torch.zeros_like(grown[o][:, q_rows:])], dim=1)
-    wide.load_published(sd)
-    return wide
+    inputs = {"self_attn.q_proj": q_rows, "self_attn.k_proj": kv_rows, "self_attn.v_proj": kv_rows}
+    return _grow(head, with_attention_heads(layer, num_heads), target_weights, seed, inputs,
+                 "self_attn.o_proj", q_rows)
 
 
 @torch.no_grad()

@@ -236,30 +236,36 @@ def test_bad_checkpoints_raise_one_line_errors(tmp_path):
         load_eagle_head(tmp_path / "nowhere", target_config, target_sd)
 
 
-@pytest.mark.parametrize("arch", ["eagle1", "eagle3"])
-def test_a_widened_mlp_computes_what_the_head_did(tmp_path, arch):
-    """widen_mlp grows a trained head's MLP for more training: the same outputs at first (the new units'
-    down_proj columns are zero), the new width in what it saves, and it never narrows."""
+def grown_head_check(tmp_path, arch: str, grow) -> tuple:
+    """A trained head of `arch` and `grow(head, target weights)` of it, checked to compute what the head did,
+    also once saved and loaded again; returns (head, grown head, its published weights, target weights)."""
     target_config, target_sd = tiny_target()
     (tmp_path / "src").mkdir()
     write_head(tmp_path / "src", arch, "safetensors")
     head = load_eagle_head(tmp_path / "src", target_config, target_sd)
-    wide = widen_mlp(head, 3 * INTER, target_sd)
-    assert wide.config.layer.intermediate_size == 3 * INTER
+    wide = grow(head, target_sd)
     g = torch.Generator().manual_seed(4)
     ids = torch.randint(0, VOCAB, (1, 6), generator=g)
     feats = torch.randn(1, 6, head.config.feature_dim, generator=g)
-    want, got = run_head(head, ids, feats, [4, 2]), run_head(wide, ids, feats, [4, 2])
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    want = run_head(head, ids, feats, [4, 2])
+    torch.testing.assert_close(run_head(wide, ids, feats, [4, 2]), want, atol=1e-5, rtol=1e-5)
+    save_eagle_head(wide, tmp_path / "dst", dtype=torch.float32)
+    again = load_eagle_head(tmp_path / "dst", target_config, target_sd)
+    assert again.config.layer == wide.config.layer
+    torch.testing.assert_close(run_head(again, ids, feats, [4, 2]), want, atol=1e-5, rtol=1e-5)
+    return head, wide, wide.published_state_dict(), target_sd
+
+
+@pytest.mark.parametrize("arch", ["eagle1", "eagle3"])
+def test_a_widened_mlp_computes_what_the_head_did(tmp_path, arch):
+    """widen_mlp grows a trained head's MLP for more training: the same outputs at first (the new units'
+    down_proj columns are zero), the new width in what it saves, and it never narrows."""
+    head, wide, grown, target_sd = grown_head_check(tmp_path, arch, lambda h, sd: widen_mlp(h, 3 * INTER, sd))
+    assert wide.config.layer.intermediate_size == 3 * INTER
     prefix = "layers.0." if arch == "eagle1" else "midlayer."
-    grown = wide.published_state_dict()
     assert grown[prefix + "mlp.down_proj.weight"].shape == (H, 3 * INTER)
     assert not grown[prefix + "mlp.down_proj.weight"][:, INTER:].any()
     assert grown[prefix + "mlp.gate_proj.weight"][INTER:].abs().sum() > 0  # random, so they can learn
-    save_eagle_head(wide, tmp_path / "dst", dtype=torch.float32)
-    again = load_eagle_head(tmp_path / "dst", target_config, target_sd)
-    assert again.config.layer.intermediate_size == 3 * INTER
-    torch.testing.assert_close(run_head(again, ids, feats, [4, 2]), want, atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="cannot widen"):
         widen_mlp(head, INTER // 2, target_sd)
 
@@ -269,34 +275,24 @@ def test_widened_attention_computes_what_the_head_did(tmp_path, arch):
     """widen_attention adds query heads (and key/value heads, keeping the grouping) for more training: the
     same outputs at first (the new heads' o_proj columns are zero), the new head counts in the published
     config it saves; it never narrows, and heads come in whole groups."""
-    target_config, target_sd = tiny_target()
-    (tmp_path / "src").mkdir()
-    write_head(tmp_path / "src", arch, "safetensors")
-    head = load_eagle_head(tmp_path / "src", target_config, target_sd)
+    def double(head, sd):
+        return widen_attention(head, 2 * head.config.layer.num_heads, sd)
+
+    head, wide, grown, target_sd = grown_head_check(tmp_path, arch, double)
     layer = head.config.layer
     group = layer.num_heads // layer.num_kv_heads
-    wide = widen_attention(head, 2 * layer.num_heads, target_sd)
     assert (wide.config.layer.num_heads, wide.config.layer.num_kv_heads) == (2 * layer.num_heads,
                                                                              2 * layer.num_kv_heads)
-    g = torch.Generator().manual_seed(5)
-    ids = torch.randint(0, VOCAB, (1, 6), generator=g)
-    feats = torch.randn(1, 6, head.config.feature_dim, generator=g)
-    want, got = run_head(head, ids, feats, [4, 2]), run_head(wide, ids, feats, [4, 2])
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     prefix = "layers.0." if arch == "eagle1" else "midlayer."
-    grown = wide.published_state_dict()
     q_cols = layer.num_heads * layer.head_dim
     assert grown[prefix + "self_attn.o_proj.weight"].shape == (H, 2 * q_cols)
     assert not grown[prefix + "self_attn.o_proj.weight"][:, q_cols:].any()
     assert grown[prefix + "self_attn.k_proj.weight"][layer.num_kv_heads * layer.head_dim:].abs().sum() > 0
-    save_eagle_head(wide, tmp_path / "dst", dtype=torch.float32)
     config = json.loads((tmp_path / "dst" / "config.json").read_text())
     assert (config["num_attention_heads"], config["num_key_value_heads"]) == (2 * layer.num_heads,
                                                                               2 * layer.num_kv_heads)
-    again = load_eagle_head(tmp_path / "dst", target_config, target_sd)
-    torch.testing.assert_close(run_head(again, ids, feats, [4, 2]), want, atol=1e-5, rtol=1e-5)
     same = widen_attention(head, layer.num_heads, target_sd)  # a warm start given the width it has
-    torch.testing.assert_close(run_head(same, ids, feats, [4, 2]), want, atol=1e-5, rtol=1e-5)
+    assert same.config.layer == layer
     with pytest.raises(ValueError, match="cannot widen"):
         widen_attention(head, layer.num_heads - group, target_sd)
     with pytest.raises(ValueError, match=f"groups of {group}"):
