@@ -6,7 +6,9 @@ One row per point: setup, k, forced length, batch, load (a static batch or susta
 speedup over target-only and its ideal (tau * t_target / t_verify, from the engine thread's verification
 time and from its device time), mean acceptance length (rounds with drafts), tokens per verification (all
 rounds), TTFT p50, inter-chunk latency p50 / p99, a verification step's split (verify / draft / transport /
-host, ms), the prefill steps (how many, ms each), GPU busy shares and drafter-link bytes per step.
+host, ms), the prefill steps (how many, ms each), GPU busy shares and drafter-link bytes per step. Below it,
+for the points with a speculation cache, its rounds by drafting mode (tables, serial, none): how many, their
+mean time and the tokens each settled (files written since session 31).
 """
 
 from __future__ import annotations
@@ -68,6 +70,32 @@ def table(report: dict, temperature: float = 0.0, setups: list[str] | None = Non
     return "\n".join(lines + ["| " + " | ".join(cells) + " |" for cells in rows])
 
 
+MODES = ("tables", "serial", "none")
+
+
+def modes_table(report: dict, temperature: float = 0.0, setups: list[str] | None = None) -> str:
+    """The speculation cache's rounds by drafting mode, per point that timed them ("" when none did)."""
+    lines = []
+    for r in report["results"]:
+        cache = r.get("cache") or {}
+        timed = cache.get("round_ms") or {}
+        wanted = r["temperature"] == temperature and (not setups or r["setup"] in setups)
+        if not wanted or not any(timed.values()):
+            continue
+        per_round = cache.get("tokens_per_round") or {}
+        lines.append("| " + " | ".join([
+            r["setup"], str(r["forced_hit_rate"]) if r.get("forced_hit_rate") is not None else "—",
+            fmt(r["batch"], "d"), r.get("load", "batch"),
+            " / ".join(fmt((cache.get("rounds") or {}).get(m), ".0f") for m in MODES),
+            " / ".join(fmt(timed.get(m), ".2f") for m in MODES),
+            " / ".join(fmt(per_round.get(m), ".2f") for m in MODES)]) + " |")
+    if not lines:
+        return ""
+    header = ["setup", "hit", "batch", "load", "rounds: tables / serial / none", "ms a round",
+              "tokens a round"]
+    return "\n".join(["| " + " | ".join(header) + " |", "|" + " --- |" * len(header), *lines])
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("file")
@@ -77,7 +105,10 @@ def main() -> int:
     report = json.loads(Path(args.file).read_text())
     print(f"{report['workload']}, T = {args.temperature:g}, {report['date']}, commit {report['commit']}, "
           f"{', '.join(report['machine'].get('gpus') or [report['machine']['platform']])}\n")
-    print(table(report, args.temperature, [s for s in args.setups.split(",") if s]))
+    setups = [s for s in args.setups.split(",") if s]
+    print(table(report, args.temperature, setups))
+    if modes := modes_table(report, args.temperature, setups):
+        print(f"\n{modes}")
     return 0
 
 

@@ -20,6 +20,7 @@ from services_metrics import (  # noqa: E402
     round_split,
     wire_bytes_per_step,
 )
+from services_table import modes_table  # noqa: E402
 
 VERIFY, TRIP = "specwire_verify_step_seconds", "specwire_drafter_rpc_latency_seconds"
 
@@ -74,6 +75,24 @@ def test_round_split_cache_and_bytes_from_two_scrapes():
                           "specwire_prompts_carried_total": 3.0}
     got = prefill_split(Delta(before, after), wall=0.5)
     assert got == pytest.approx({"steps": 4, "ms": 5.0, "share": 0.04, "carried": 3})
+
+
+def test_the_drafting_modes_table_lists_the_points_that_timed_their_rounds():
+    """Below the main table: each cached point's rounds by mode, their mean ms and tokens; points without a
+    cache, of another temperature, or from files before the per-mode counters are left out."""
+    timed = {"rounds": {"tables": 64.0, "serial": 32.0, "none": 1880.0},
+             "round_ms": {"tables": 2.04, "serial": 7.61, "none": 1.4},
+             "tokens_per_round": {"tables": 1.0, "serial": 2.75, "none": 1.0}}
+    older = {"rounds": {"tables": 10.0, "serial": 0.0, "none": 0.0}}  # written before session 31's counters
+    point = {"setup": "two_gpus", "forced_hit_rate": "adaptive", "batch": 1, "load": "batch",
+             "temperature": 1.0}
+    report = {"results": [point | {"cache": timed}, point | {"cache": older, "batch": 16},
+                          point | {"cache": timed, "temperature": 0.0},
+                          {"setup": "target_only", "batch": 1, "temperature": 1.0, "cache": None}]}
+    lines = modes_table(report, temperature=1.0).splitlines()
+    assert lines[2:] == ["| two_gpus | adaptive | 1 | batch | 64 / 32 / 1880 | 2.04 / 7.61 / 1.40 | "
+                         "1.00 / 2.75 / 1.00 |"]
+    assert modes_table(report, temperature=1.0, setups=["target_only"]) == ""
 
 
 def test_greedy_outputs_are_compared_and_each_mismatch_located():
