@@ -248,8 +248,10 @@ class Trainer:
         outputs = unroll(head, x["ids"], feats, self.args.ttt_steps)
         all_logits = [head.logits(out) for out in outputs]
         if evaluating:  # the k = 4 chain on this text, on the target's full vocabulary
+            # what a draft sampled from q is accepted with at T = 1: sum min(p, q) on the full vocabulary
+            t1_overlaps = [overlap(full_p, lg.float()) for lg in all_logits]
             to_target = head.draft_to_target if eagle3 else None
-            accept = chain_acceptance(batch, all_logits, full_p, greedy_top1, to_target)
+            accept = chain_acceptance(batch, all_logits, t1_overlaps, greedy_top1, to_target)
             drafted = drafted_anchors(x["mask"])
             first = drafted & (x["mask"].cumsum(1) <= FIRST_TOKENS)
             for prefix, anchors in zip(CHAIN_PREFIXES, (drafted, first), strict=True):
@@ -267,8 +269,8 @@ class Trainer:
                 accept = (overlap(target_p, logits) * m).sum() / denom
                 loss = loss + self.args.tv_weight * (1.0 - accept)
                 result[f"overlap_{j + 1}"] = accept.detach()
-            if evaluating:  # what a draft sampled from q is accepted with at T = 1, on the full vocabulary
-                result[f"accept_t1_{j + 1}"] = (overlap(full_p, logits) * m).sum() / denom
+            if evaluating:
+                result[f"accept_t1_{j + 1}"] = (t1_overlaps[j] * m).sum() / denom
                 if j == 0 and eagle3:
                     result["inside_mass"] = (mass * m).sum() / denom
             agree = ((logits.argmax(-1) == target_top1).float() * m).sum() / denom
@@ -330,18 +332,18 @@ def overlap(target_p: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
 def chain_acceptance(
     batch: list[Sample],
     logits: list[torch.Tensor],
-    target_p: torch.Tensor,
+    t1_overlaps: list[torch.Tensor],
     target_top1: torch.Tensor,
     to_target: torch.Tensor | None,
 ) -> torch.Tensor:
     """[PROXY_K, B, T] per anchor (chain_visits.anchor_acceptance): on greedy answers whether step j's draft
     (its argmax, mapped by to_target when top1 is on the target's vocabulary) is the target's token, on
-    sampled answers its chance of acceptance sum min(p, q)."""
-    sampled = torch.tensor([s.temperature > 0 for s in batch], device=target_p.device)[:, None]
+    sampled answers its chance of acceptance, t1_overlaps[j] (sum min(p, q))."""
+    sampled = torch.tensor([s.temperature > 0 for s in batch], device=target_top1.device)[:, None]
     per_step = []
-    for lg in logits[:PROXY_K]:
+    for lg, t1 in zip(logits[:PROXY_K], t1_overlaps, strict=False):
         draft = lg.argmax(-1) if to_target is None else to_target[lg.argmax(-1)]
-        per_step.append(torch.where(sampled, overlap(target_p, lg.float()), (draft == target_top1).float()))
+        per_step.append(torch.where(sampled, t1, (draft == target_top1).float()))
     return anchor_acceptance(per_step, PROXY_K)
 
 
