@@ -194,8 +194,9 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
                 self.metrics.rpc_bytes["received"].inc(step.ByteSize())
                 round_trace.mark("d.taken")
                 refused = self._map(stream, step.shared_features) if step.HasField("shared_features") else ""
-                result = self.run_step(stream, owned, step, self._gather(step, self._tables.get(stream)),
-                                       draft=fresh)
+                features = self._gather(step, self._tables.get(stream))
+                round_trace.mark("d.gathered")
+                result = self.run_step(stream, owned, step, features, draft=fresh)
                 result.shared_features_error = refused
                 round_trace.mark("d.returned")
                 self.metrics.rpc_bytes["sent"].inc(result.ByteSize())
@@ -263,7 +264,11 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
         # each ref's rows first .. first + n - 1, for all refs at once: a ref's first row, less the rows of
         # the refs before it, repeated n times, plus the running row count
         rows = np.repeat(firsts - (np.cumsum(counts) - counts), counts) + np.arange(counts.sum())
-        packed = table.index_select(0, upload(torch.from_numpy(rows), table.device)).to(self.proposer.device)
+        index = upload(torch.from_numpy(rows), table.device)
+        round_trace.mark("d.rows_uploaded")
+        picked = table.index_select(0, index)
+        round_trace.mark("d.rows_picked")
+        packed = picked.to(self.proposer.device)
         return dict(zip((rid for rid, _, _ in refs), packed.split(counts.tolist()), strict=True))
 
     @torch.inference_mode()

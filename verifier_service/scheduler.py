@@ -996,6 +996,7 @@ class Scheduler:
             out = self.engine.verify(slots, rows, starts, batch.on_device, prompts)
         else:
             out = self.engine.decode(slots, [r.tokens[-1] for r in live], starts)
+        round_trace.mark("v.forward_launched")
         self.metrics.forward_steps_by_mode["cuda_graph" if self.engine.step_replayed_graph else "eager"].inc()
         # Every fed row's features start towards the drafter now, overlapping the sampler: into the store
         # (rows of rejected drafts are rewritten next round), or to the host, where the settled rows are
