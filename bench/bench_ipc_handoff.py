@@ -7,7 +7,9 @@ wait in between, and what would a round cost? A prototype of the hand-off, two p
 - "device": the verifier queues its step, records an interprocess CUDA event and sends the message at once;
   the drafter makes its stream wait for that event, queues the copy and its drafting, records an event of
   its own and answers at once; the verifier queues a wait for the drafter's event and the next step behind
-  it. The host of each side never waits for its GPU inside the round.
+  it. The host of each side never waits for its GPU inside the round. "device" opens each event on the GPU
+  that records it; "device_waiter" on the GPU of the stream that waits for it (a run of session 32 had the
+  drafter process crash in "device").
 
 The step and the drafting are matmul loops sized by --verify-ms / --draft-ms. A counter rides the data
 through both processes (each round adds 1 on each side) and is checked at the end, so a missed wait (a
@@ -19,44 +21,53 @@ step reading a buffer before the other process wrote it) shows as a wrong count,
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import multiprocessing as mp
 import time
 
 import torch
 
+SIDE = 4096  # a bf16 matmul of this side is a few tenths of a millisecond: few launches a round
+
+
+def work_matrix(device: torch.device) -> torch.Tensor:
+    return torch.randn(SIDE, SIDE, device=device, dtype=torch.bfloat16)
+
 
 def busy(x: torch.Tensor, iters: int) -> None:
+    out = torch.empty_like(x)
     for _ in range(iters):
-        torch.mm(x, x, out=x)
-        x.mul_(1e-3)  # keep it finite
+        torch.mm(x, x, out=out)
 
 
 def iterations_for(ms: float, device: torch.device) -> int:
-    x = torch.randn(1024, 1024, device=device) * 1e-3
-    busy(x, 10)
+    x = work_matrix(device)
+    busy(x, 3)
     torch.cuda.synchronize(device)
     start = time.perf_counter()
-    busy(x, 100)
+    busy(x, 20)
     torch.cuda.synchronize(device)
-    return max(1, round(ms / (1e3 * (time.perf_counter() - start) / 100)))
+    return max(1, round(ms / (1e3 * (time.perf_counter() - start) / 20)))
 
 
 def drafter(conn, mode: str, rounds: int, draft_ms: float) -> None:
+    faulthandler.enable()  # a crash in CUDA's IPC calls names its Python line
     device = torch.device("cuda:0")
     torch.cuda.set_device(device)
     iters = iterations_for(draft_ms, device)
-    work = torch.randn(1024, 1024, device=device) * 1e-3
+    work = work_matrix(device)
     out = torch.zeros(8, dtype=torch.int64, device=device)  # "drafts": the counter in out[0]
     done = torch.cuda.Event(interprocess=True)
     conn.send((out.untyped_storage()._share_cuda_(), bytes(done.ipc_handle())))
     shared, handle = conn.recv()  # the verifier's output buffer and its event
     verified = torch.empty(0, dtype=torch.int64, device="cuda:1").set_(
         torch.UntypedStorage._new_shared_cuda(*shared), 0, (8,), (1,))
-    verifier_done = torch.cuda.Event.from_ipc_handle(torch.device("cuda:1"), handle)
+    verifier_done = torch.cuda.Event.from_ipc_handle(device if mode == "device_waiter" else
+                                                     torch.device("cuda:1"), handle)
     for _ in range(rounds):
         conn.recv()
-        if mode == "device":
+        if mode != "host":
             torch.cuda.current_stream(device).wait_event(verifier_done)
         out.copy_(verified)  # over NVLink
         busy(work, iters)
@@ -75,6 +86,49 @@ def answer(conn, child: mp.Process):
     return conn.recv()
 
 
+MODES = ("host", "device_waiter", "device", "host")  # device_waiter: each side opens the other's event on
+# its own GPU; device: on the GPU that records it
+
+
+def one_run(mode: str, rounds: int, iters: int, draft_ms: float) -> dict:
+    device = torch.device("cuda:1")
+    ctx = mp.get_context("spawn")
+    ours, theirs = ctx.Pipe()
+    child = ctx.Process(target=drafter, args=(theirs, mode, rounds, draft_ms))
+    child.start()
+    try:
+        work = work_matrix(device)
+        out = torch.zeros(8, dtype=torch.int64, device=device)
+        done = torch.cuda.Event(interprocess=True)
+        shared, handle = answer(ours, child)
+        drafts = torch.empty(0, dtype=torch.int64, device="cuda:0").set_(
+            torch.UntypedStorage._new_shared_cuda(*shared), 0, (8,), (1,))
+        drafter_done = torch.cuda.Event.from_ipc_handle(device if mode == "device_waiter" else
+                                                        torch.device("cuda:0"), handle)
+        ours.send((out.untyped_storage()._share_cuda_(), bytes(done.ipc_handle())))
+        start = time.perf_counter()
+        for _ in range(rounds):
+            busy(work, iters)  # the verification
+            out.copy_(drafts)  # the last round's drafts (zeros at first)
+            out[0] += 1
+            done.record()
+            if mode == "host":
+                done.synchronize()
+            ours.send(0)
+            answer(ours, child)
+            if mode != "host":
+                torch.cuda.current_stream(device).wait_event(drafter_done)
+        out.copy_(drafts)
+        torch.cuda.synchronize(device)
+        ms = 1e3 * (time.perf_counter() - start) / rounds
+        ours.send(None)
+        child.join()
+        return {"round_ms": ms, "count": int(out[0]), "expected": 2 * rounds}
+    finally:
+        if child.is_alive():
+            child.kill()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=500)
@@ -86,40 +140,14 @@ def main() -> None:
     torch.cuda.set_device(device)
     iters = iterations_for(args.verify_ms, device)
     result = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "rounds": args.rounds,
-              "verify_ms": args.verify_ms, "draft_ms": args.draft_ms}
-    for mode in ("host", "device", "host", "device"):
-        ctx = mp.get_context("spawn")
-        ours, theirs = ctx.Pipe()
-        child = ctx.Process(target=drafter, args=(theirs, mode, args.rounds, args.draft_ms))
-        child.start()
-        work = torch.randn(1024, 1024, device=device) * 1e-3
-        out = torch.zeros(8, dtype=torch.int64, device=device)
-        done = torch.cuda.Event(interprocess=True)
-        shared, handle = answer(ours, child)
-        drafts = torch.empty(0, dtype=torch.int64, device="cuda:0").set_(
-            torch.UntypedStorage._new_shared_cuda(*shared), 0, (8,), (1,))
-        drafter_done = torch.cuda.Event.from_ipc_handle(torch.device("cuda:0"), handle)
-        ours.send((out.untyped_storage()._share_cuda_(), bytes(done.ipc_handle())))
-        start = time.perf_counter()
-        for _ in range(args.rounds):
-            busy(work, iters)  # the verification
-            out.copy_(drafts)  # the last round's drafts (zeros at first)
-            out[0] += 1
-            done.record()
-            if mode == "host":
-                done.synchronize()
-            ours.send(0)
-            answer(ours, child)
-            if mode == "device":
-                torch.cuda.current_stream(device).wait_event(drafter_done)
-        out.copy_(drafts)
-        torch.cuda.synchronize(device)
-        ms = 1e3 * (time.perf_counter() - start) / args.rounds
-        count = int(out[0])
-        ours.send(None)
-        child.join()
-        result.setdefault(mode, []).append({"round_ms": ms, "count": count, "expected": 2 * args.rounds})
-        print(mode, f"{ms:.3f} ms a round, counter {count} (expected {2 * args.rounds})", flush=True)
+              "verify_ms": args.verify_ms, "draft_ms": args.draft_ms, "verify_matmuls": iters}
+    for mode in MODES:
+        try:
+            run = one_run(mode, args.rounds, iters, args.draft_ms)
+        except RuntimeError as e:  # a drafter that died: the other modes still run
+            run = {"error": str(e)}
+        result.setdefault(mode, []).append(run)
+        print(mode, run, flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
