@@ -274,6 +274,8 @@ def measure(client: Client, port: int, metric_ports: dict[str, int | None], gpus
                              "_outputs": [t.token_ids for t in timings],
                              "stream_outputs_joined": delta.get(
                                  "verifier", "specwire_stream_outputs_joined_total"),
+                             # requests a round whose next drafts were queued behind its sampler
+                             "queued_drafts": delta.get("verifier", "specwire_queued_drafts_total"),
                              "_chunks": [{"sent": t.sent_at - start, "arrivals": t.arrivals,
                                           "tokens": t.chunk_tokens} for t in timings],
                              "_step_seconds": delta.get("verifier", "specwire_verify_step_seconds_sum"),

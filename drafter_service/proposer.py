@@ -187,6 +187,7 @@ class EagleProposer:
         (self._meta, self._temperature, self._input_ids, self._feature_cells, self._settled_rows,
          self._features) = self._inputs.tensors.values()
         self._queued: tuple | None = None  # queue_after_verification's rows, until take_queued
+        self._settled_counts = torch.zeros(0, dtype=torch.int64)  # its rows' settled counts, on the device
         # Outputs, written by every (replayed) run: the proposer's own float32 buffers.
         self._tokens = torch.zeros(n, K, dtype=torch.int64, device=dev)
         self._top_idx = torch.zeros(n, K, max_top_k, dtype=torch.int64, device=dev)
@@ -393,8 +394,18 @@ class EagleProposer:
         width = min(T, mine.shape[1] - 1)
         self._meta[self._PENDING, :B] = mine[:, 0].clamp(0, T)
         self._input_ids[:B, :width] = mine[:, 1:1 + width].clamp_min(0)  # -1 pads past the settled ones
+        self._settled_counts = mine[:, 0]
         F = self.head.config.feature_dim
-        torch.index_select(features, 0, self._feature_cells[:B * T], out=self._features[:B].view(B * T, F))
+        if features.device == self.device:
+            torch.index_select(features, 0, self._feature_cells[:B * T],
+                               out=self._features[:B].view(B * T, F))
+        else:  # a same-host verifier's table on its GPU: copies only, which wait for this device's stream
+            # (a gather there would not); a request's cells are consecutive rows (repeats past its context
+            # end are never settled), so one copy each
+            for b in range(B):
+                first = feature_cells[b * T]
+                rows = min(T, features.shape[0] - first)
+                self._features[b, :rows].copy_(features[first:first + rows], non_blocking=True)
         sampled = [tk for t, tk, k in zip(temperature, top_k, ks, strict=True) if t > 0 and k > 0]
         mode = "greedy" if not sampled else "top_k" if all(sampled) else "full"
         graph = self.graphs.get((size, mode))
@@ -403,6 +414,11 @@ class EagleProposer:
         else:
             self._draft_loop(size, mode, steps=max(ks))
         self._queued = (requests, ks, temperature, top_k)
+
+    def queued_counts(self) -> list[int]:
+        """How many tokens each request of the last queue_after_verification settled (0 for a failed row),
+        read once its sampler is done: for a drafter that is not told them."""
+        return read_back(self._settled_counts).clamp_min(0).tolist()
 
     def take_queued(self, counts: list[int], on_device: bool = False) -> Proposal:
         """The drafts queued by queue_after_verification (waits for them), once the host has read how many

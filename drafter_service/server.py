@@ -102,6 +102,8 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
         self._streams = itertools.count()
         self._known: dict[str, int] = {}  # proposer key -> tokens the drafter holds for it
         self._tables: dict[int, torch.Tensor] = {}  # stream -> the verifier's shared feature table, mapped
+        # stream -> the verifier's shared sampler output (flat int64) and the event it records after each copy
+        self._settled: dict[int, tuple[torch.Tensor, torch.cuda.Event | None]] = {}
         self._queued: list[str] = []  # keys of queue_drafts, until take_drafts
         self._queue_seconds = 0.0
         self._profiler = StepProfiler("drafter")
@@ -121,6 +123,7 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
         if self.shared_features and proposer.device.type == "cuda":
             self.info.shared_features_host = host_id()
             self.info.shared_features_gpus.extend(visible_gpus())
+            self.info.queues_drafts = True
         self.proposer = proposer
 
     # ------------------------------------------------------------------------------------------ RPCs
@@ -189,7 +192,9 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
             while (step := await inbox.get()) is not None:
                 if isinstance(step, BaseException):
                     raise step  # the read failed (an undecodable message, the client gone): as if read here
-                fresh = inbox.empty()  # else a newer step (or the stream's end) is waiting
+                # else a newer step (or the stream's end) is waiting; queued drafts are never stale: they are
+                # for the verification running as they were sent
+                fresh = inbox.empty() or step.HasField("queued")
                 self.metrics.rpc_bytes["received"].inc(step.ByteSize())
                 round_trace.mark("d.taken")
                 refused = self._map(stream, step.shared_features) if step.HasField("shared_features") else ""
@@ -206,6 +211,7 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
             # reset under load) would otherwise keep its requests held for good (the link-fault test: 8 left).
             self._free_all(owned)
             self._tables.pop(stream, None)
+            self._settled.pop(stream, None)
             reader.cancel()
             await asyncio.gather(reader, return_exceptions=True)
             log.info("draft stream closed", extra={"stream": stream})
@@ -288,6 +294,17 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
                 self.metrics.bad_payloads.labels(reason=reason).inc()
                 log.warning("update dropped", extra={"request_id": update.request_id, "reason": str(e)})
         round_trace.mark("d.applied")
+        if step.HasField("queued"):
+            try:
+                self._draft_queued(stream, owned, step.queued, result)
+            except (WireError, ProposerError, ValueError) as e:  # the verifier re-sends these requests whole
+                if self._queued:
+                    self.take_drafts(owned, None)  # queued before the failure: nothing of it is kept
+                for want in step.queued.wants:
+                    self._free(f"{stream}/{want.request_id}", owned)
+                    result.dropped_request_ids.append(want.request_id)
+                self.metrics.bad_payloads.labels(reason="bad_tensor").inc()
+                log.warning("queued drafts refused", extra={"reason": str(e)})
         wanted = [w for w in step.wants if draft and f"{stream}/{w.request_id}" in self._known]
         wanted = list({w.request_id: w for w in wanted}.values())  # one row per request
         for serve, wants in ((self._propose, [w for w in wanted if not w.num_branches]),
@@ -304,6 +321,40 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
         self.metrics.draft_step_time.observe(result.compute_seconds)
         self.metrics.num_requests.set(len(self._known))
         return result
+
+    def _draft_queued(self, stream: int, owned: set[str], queued: pb.QueuedDrafts, result: pb.DraftResult
+                      ) -> None:
+        """Drafts for tokens a same-host verifier's sampler is settling now: this GPU waits for its event,
+        then drafts from its sampler output and its feature table as a co-located drafter does
+        (queue_drafts), and the host waits only for the drafts (which waits for the sampler too)."""
+        if queued.HasField("settled_buffer"):
+            buffer = open_table(queued.settled_buffer, (torch.int64,)).view(-1)
+            # Opened on this drafter's GPU, whose stream waits for it: opened on the verifier's GPU, the
+            # wait crashed the process (torch 2.11, bench/results/session32/README.md). None on a CPU.
+            event = (torch.cuda.Event.from_ipc_handle(self.proposer.device, queued.settled_event)
+                     if queued.settled_event else None)
+            self._settled[stream] = (buffer, event)
+        if stream not in self._settled or stream not in self._tables:
+            raise WireError("queued drafts on a stream that offered no sampler buffer or feature table")
+        buffer, event = self._settled[stream]
+        n, width = (list(queued.settled_shape) + [0, 0])[:2]
+        if len(queued.settled_shape) != 2 or n * width > buffer.numel() or width < 2:
+            raise WireError(f"queued drafts: sampler output shape {list(queued.settled_shape)} does not fit "
+                            f"the shared buffer of {buffer.numel()} values")
+        if any(row >= n for row in queued.rows):
+            raise WireError(f"queued drafts: a row past the sampler output's {n}")
+        wants = list(queued.wants)
+        temperature = [max(w.temperature, 0.0) for w in wants]
+        top_k = [w.top_k for w in wants]
+        if event is not None:
+            torch.cuda.current_stream(self.proposer.device).wait_event(event)
+        self.queue_drafts(stream, [w.request_id for w in wants], [w.num_drafts for w in wants], temperature,
+                          top_k, buffer[:n * width].view(n, width), list(queued.rows), self._tables[stream],
+                          list(queued.feature_cells))
+        proposal = self.take_drafts(owned, self.proposer.queued_counts())
+        self._split(wants, proposal, temperature,
+                    [min(tk, self.proposer.max_top_k) if t > 0 else 0 for t, tk in zip(temperature, top_k,
+                                                                                        strict=True)], result)
 
     # A co-located verifier's serial drafts without a DraftStep: queued on the device behind its sampler,
     # taken once it has read how many tokens each request settled (proposer.queue_after_verification).

@@ -232,8 +232,9 @@ class VerifierMetrics(_ServiceMetrics):
         self.drafting_tokens = {m: self.spec_cache_round_tokens.labels(mode=m) for m in DRAFTING_MODES}
         self.queued_drafts = c(
             "queued_drafts",
-            "Requests whose next drafts a co-located drafter queued on the device right behind the sampler "
-            "(serial drafting without a DraftStep), one per request and round.",
+            "Requests whose next drafts the drafter queued on its device right behind the sampler (a "
+            "co-located drafter without a DraftStep; one in another process on this host by a step sent as "
+            "the verification starts), one per request and round.",
         )
         self.requests_rejected = c(
             "requests_rejected", "Requests refused before they were queued, by error code.", ["code"]

@@ -56,12 +56,14 @@ def describe(table: torch.Tensor) -> pb.SharedFeatures:
         dtype=WIRE_DTYPE[table.dtype])
 
 
-def open_table(message: pb.SharedFeatures) -> torch.Tensor:
+def open_table(message: pb.SharedFeatures, dtypes: tuple[torch.dtype, ...] = FEATURE_DTYPES) -> torch.Tensor:
     """The verifier's table as a tensor on its GPU, mapped into this process; raises WireError naming what is
-    wrong (a GPU this process cannot see, a shape its storage cannot hold) or what CUDA refused."""
+    wrong (a dtype not in `dtypes`, a GPU this process cannot see, a shape its storage cannot hold) or what
+    CUDA refused."""
     dtype = TORCH_DTYPE.get(message.dtype)
-    if dtype not in FEATURE_DTYPES:
-        raise WireError(f"shared features: dtype enum value {message.dtype} is not a feature dtype")
+    if dtype not in dtypes:
+        raise WireError(f"shared features: dtype enum value {message.dtype} is not one of "
+                        f"{', '.join(map(str, dtypes))}")
     if len(message.shape) != 2:
         raise WireError(f"shared features: shape {list(message.shape)} is not [rows, width]")
     need = math.prod(message.shape) * dtype.itemsize

@@ -56,7 +56,7 @@ def in_process_mapping(monkeypatch):
         return pb.SharedFeatures(device_uuid=key, shape=list(table.shape), dtype=pb.DTYPE_FLOAT32)
 
     monkeypatch.setattr(drafter_link, "describe", fake_describe)
-    monkeypatch.setattr(drafter_server, "open_table", lambda message: tables[message.device_uuid])
+    monkeypatch.setattr(drafter_server, "open_table", lambda message, *dtypes: tables[message.device_uuid])
     return tables
 
 
@@ -95,10 +95,10 @@ async def serving(service, listen: str = "127.0.0.1:0"):
 
 
 async def generate_over_grpc(service, engine, cache_branches: int, metrics: VerifierMetrics,
-                             max_tokens: int = MAX_TOKENS):
+                             max_tokens: int = MAX_TOKENS, queue_drafts: bool = False):
     async with serving(service) as target:
         link = DrafterLink(target, metrics, step_timeout=5.0, share_from=engine.device)
-        return link, await generate(engine, link, cache_branches, queue_drafts=False, max_tokens=max_tokens)
+        return link, await generate(engine, link, cache_branches, queue_drafts, max_tokens=max_tokens)
 
 
 @pytest.mark.parametrize("cache_branches", [0, 4], ids=["serial", "tables"])
@@ -120,6 +120,70 @@ def test_rows_named_in_the_shared_table_are_the_target_features(in_process_mappi
     sent = metrics.rpc_bytes["sent"]._value.get()
     tokens = sum(len(t) for t in outputs)
     assert sent < tokens * 3 * config.hidden_size * 4 / 4, f"{sent} bytes sent for {tokens} tokens"
+
+
+def test_drafts_queued_behind_the_sampler_across_processes_read_what_it_settled(in_process_mapping):
+    """A drafter that maps the table and says it queues gets its serial steps as the verification starts,
+    with the sampler's output shared instead of the tokens (on a GPU its stream waits for the verifier's
+    event; a CPU's copy is done when it returns). It must be handed the target's features of every token,
+    read from the shared table at the cells the step names, and the outputs must be those of serial steps
+    sent after the verification."""
+    config, sd, head, engine, proposer, handed = recording_drafter("cpu", "cpu", 0, 0)
+    queue, queued = proposer.queue_after_verification, set()
+
+    def record_queued(request_ids, *args):  # the rows gathered for the drafts, as many as settled
+        queue(request_ids, *args)
+        pending = proposer._meta[proposer._PENDING].tolist()
+        for b, rid in enumerate(request_ids):
+            handed[rid].append(proposer._features[b, :pending[b]].to("cpu", copy=True))
+        queued.update(request_ids)
+
+    proposer.queue_after_verification = record_queued
+    service = drafter_service(proposer, config)
+    says_it_maps(service)
+    service.info.queues_drafts = True
+    _, (outputs, _) = asyncio.run(generate_over_grpc(service, engine, 0, VerifierMetrics(),
+                                                     queue_drafts=True))
+    assert queued, "no drafts were queued behind a sampler"
+    assert len(in_process_mapping) == 2, "the feature table and the sampler's buffer, each offered once"
+    assert_handed_the_target_features(handed, outputs, config, sd, head, "cpu")
+    config2, sd2, head2, engine2, proposer2, _ = recording_drafter("cpu", "cpu", 0, 0)
+    plain = drafter_service(proposer2, config2)
+    says_it_maps(plain)
+    reference, _ = asyncio.run(generate_over_grpc(plain, engine2, 0, VerifierMetrics()))[1]
+    assert outputs == reference
+
+
+class BrokenOnQueuedDrafter(drafter_server.DrafterService):
+    """Ends its first stream with an error at its 3rd step of queued drafts: their answer never comes."""
+
+    queued_steps = 0
+
+    def run_step(self, stream, owned, step, features=None, draft=True):
+        if step.HasField("queued"):
+            self.queued_steps += 1
+            if self.queued_steps == 3:
+                raise RuntimeError("the drafter went away")
+        return super().run_step(stream, owned, step, features, draft)
+
+
+def test_queued_drafts_whose_answer_is_lost_cost_no_request(in_process_mapping):
+    """The stream breaks while drafts are queued: their requests are sent whole on the next stream, which
+    is offered the table and the sampler's buffer again, and the drafter is handed the target's features.
+    (Outputs are not compared with another run: the forced acceptance of `generate` takes the drafts it
+    is given, and a round whose drafts were lost has none.)"""
+    config, sd, head, engine, proposer, handed = recording_drafter("cpu", "cpu", 0, 0)
+    service = BrokenOnQueuedDrafter(DrafterMetrics())
+    service.load(proposer, config, synthetic_tokenizer(config).fingerprint, "eagle3:random")
+    says_it_maps(service)
+    service.info.queues_drafts = True
+    link, (outputs, _) = asyncio.run(generate_over_grpc(service, engine, 0, VerifierMetrics(), LONG, True))
+    assert service.queued_steps > 3 and link.epoch == 2
+    assert len(in_process_mapping) == 4, "the table and the buffer, offered on each stream"
+    resent = {int(key.split("/")[1]) for key in handed if key.startswith("1/")}
+    assert resent == set(range(len(outputs))), "every live request is sent whole on the new stream"
+    assert_handed_the_target_features(handed, outputs, config, sd, head, "cpu", stream=1, only=resent,
+                                      max_tokens=LONG)
 
 
 class OnceBrokenDrafter(drafter_server.DrafterService):

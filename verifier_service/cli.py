@@ -79,9 +79,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "H200s, bench/results/session31/)")
     parser.add_argument("--queue-drafts", choices=("auto", "on", "off"),
                         default=env("SPECWIRE_QUEUE_DRAFTS", "auto"),
-                        help="with --colocated and --cache-branches 0: queue each round's next drafts on the "
-                             "device right behind its sampler, with no DraftStep and no return to the host "
-                             "in between (default auto: on for a CUDA drafter)")
+                        help="with --cache-branches 0: queue each round's next drafts on the drafter's "
+                             "device right behind its sampler, with no return to the host in between: "
+                             "--colocated without a DraftStep; a drafter in another process on this host "
+                             "that maps the features by a step sent as the verification starts, its GPU "
+                             "waiting for an interprocess event (default auto: on for a co-located CUDA "
+                             "drafter; another process's only with on, not yet measured on GPUs)")
     parser.add_argument("--stream-interval", type=int, default=env("SPECWIRE_STREAM_INTERVAL", 1),
                         metavar="TOKENS",
                         help="tokens a stream's chunk gathers before it is sent; a request's first token and "

@@ -15,15 +15,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import grpc
 import torch
 from specwire.drafter.proposer import Proposal, drafts_per_request
-from specwire.verifier.alignment import Drafts, Want
+from specwire.verifier.alignment import Drafts, Want, read_result
 
 from specwire import grpc_common, round_trace
 from specwire.metrics import VerifierMetrics
@@ -129,6 +130,7 @@ class LocalDrafterLink(_StepResults):
         self._run_step, self._info, self._mismatch, self._inline = run_step, info, mismatch, inline
         self._queue, self._take = queue, take
         self.queues_drafts = queue is not None and take is not None
+        self.queues_on_auto = True  # --queue-drafts auto queues where features live on a GPU
         self.names_rows = False  # features are handed over as tensors (views of the store), not named
         self.feature_device = feature_device
         self.max_step_bytes = float("inf")  # features are handed over as tensors, not in the step
@@ -246,27 +248,49 @@ class LocalDrafterLink(_StepResults):
 
 @dataclass
 class QueuedDrafts:
-    """Drafts queued behind a sampler, as the drafter left them: rows in queue order, ids on its device."""
+    """Drafts queued behind a sampler, as the drafter left them: rows in queue order, ids on its device (an
+    in-process drafter's `proposal`), or its answer to come (a drafter in another process: `answer`, awaited
+    by `arrive`, then read as a serial step's answer is)."""
 
     request_ids: list[str]
     wants: list[Want]
-    proposal: Proposal
+    proposal: Proposal | None
     dropped: set[str] = field(default_factory=set)  # requests the drafter has lost since
+    answer: Callable[[], Awaitable[pb.DraftResult | None]] | None = None
+    vocab_size: int = 0  # of the target, to check an answer's drafts against
+    lost: bool = False  # the answer never came: what the drafter holds of these requests is unknown
+    _drafts: dict[str, Drafts] = field(default_factory=dict, repr=False)  # the answer's, by request id
+
+    async def arrive(self) -> None:
+        """Waits for a remote drafter's answer (nothing to wait for in-process)."""
+        if self.answer is None:
+            return
+        result = await self.answer()
+        self.answer = None
+        if result is None:
+            self.lost = True
+            return
+        self.dropped.update(result.dropped_request_ids)
+        aligned = read_result(result, dict(zip(self.request_ids, self.wants, strict=True)), self.vocab_size)
+        self._drafts = aligned.drafts
 
     def as_batch(self, request_ids: list[str], room: list[int]) -> Proposal | None:
         """The drafts as the drafter left them (ids, and the q of sampled rows, on its device; rows in queue
         order), when they serve a verification of `request_ids` as they are: the same requests in the same
         order, none longer than its room. Else None (per_request then splits them on the host). Greedy rows
         of a batch with sampled ones carry a one-hot q, as batch_drafts gives them."""
-        if self.dropped or request_ids != self.request_ids:
+        if self.proposal is None or self.dropped or request_ids != self.request_ids:
             return None
         if any(k > n for k, n in zip(self.proposal.num_drafts.tolist(), room, strict=True)):
             return None
         return self.proposal
 
     def per_request(self) -> dict[str, Drafts]:
-        """The drafts by request id, on the host (this waits for them)."""
-        drafts = _drafts_by_request(self.request_ids, self.wants, self.proposal)
+        """The drafts by request id, on the host (this waits for an in-process drafter's)."""
+        if self.proposal is None:
+            drafts = {} if self.lost else self._drafts
+        else:
+            drafts = _drafts_by_request(self.request_ids, self.wants, self.proposal)
         return {rid: d for rid, d in drafts.items() if rid not in self.dropped}
 
 
@@ -287,9 +311,12 @@ def _drafts_by_request(request_ids: list[str], wants: list[Want], proposal: Prop
 
 
 class DrafterLink(_StepResults):
-    """Sends DraftSteps and hands back their DraftResults, or None when the drafter cannot answer in time."""
+    """Sends DraftSteps and hands back their DraftResults, or None when the drafter cannot answer in time.
 
-    queues_drafts = False  # drafts queued on the device (LocalDrafterLink.queue_drafts): in-process only
+    A drafter on this host that maps the feature table may also draft behind the sampler (`queue_drafts`):
+    the serial step goes out as the verification is launched, naming the sampler's output (copied into a
+    buffer it maps) instead of the tokens, and the drafter's GPU waits for an interprocess event recorded
+    after that copy. Its host work then overlaps the verification instead of following it."""
 
     def __init__(
         self, target: str, metrics: VerifierMetrics,
@@ -311,6 +338,14 @@ class DrafterLink(_StepResults):
         self.share_refused = ""  # why a drafter could not map the table: bytes from then on
         self._table: torch.Tensor | None = None  # the owner's feature table [rows, width]
         self._offered = False  # whether this stream's first step offered it
+        self._settled: torch.Tensor | None = None  # the sampler outputs queue_drafts shares, int64 [n, 1]
+        self._settled_event: torch.cuda.Event | None = None  # recorded after each copy into it
+        self._settled_offered = False  # whether this stream has been offered them
+        self._queued: tuple[asyncio.Future, list[str], list[Want]] | None = None  # queue_drafts' step
+        # Queued only when asked (--queue-drafts on): not yet measured on GPUs (bench/results/session32/)
+        self.queues_on_auto = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_thread = 0  # the loop's thread (start): queue_drafts from another one hands the send to it
         self.channel_options = channel_options or grpc_common.ChannelOptions()
         self.max_step_bytes = step_feature_bytes(self.channel_options.max_message_bytes, 0)
         self.handshake = pb.HandshakeRequest()
@@ -334,7 +369,8 @@ class DrafterLink(_StepResults):
         return self._call is not None
 
     def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._connect_forever())
+        self._loop, self._loop_thread = asyncio.get_running_loop(), threading.get_ident()
+        self._task = self._loop.create_task(self._connect_forever())
 
     async def close(self) -> None:
         self._closed = True
@@ -359,6 +395,70 @@ class DrafterLink(_StepResults):
     def names_rows(self) -> bool:
         """Whether this stream's steps name rows of the shared table (`shared_row`), not carry bytes."""
         return self.feature_device is not None
+
+    @property
+    def queues_drafts(self) -> bool:
+        """Whether this stream drafts behind the sampler: the drafter maps the table and says it can."""
+        return self.names_rows and self.info is not None and self.info.queues_drafts
+
+    def can_queue(self) -> bool:
+        return self.queues_drafts and self._queued is None and self.can_send()
+
+    def queue_drafts(self, request_ids: list[str], wants: list[Want], settled: torch.Tensor, rows: list[int],
+                     features: torch.Tensor, feature_cells: list[int]) -> bool:
+        """As LocalDrafterLink.queue_drafts, for a drafter in another process on this host (called on the
+        loop, right after the sampler is queued): `features` must be the shared table. False when the step
+        could not be sent."""
+        if features.data_ptr() != self._table.data_ptr():
+            raise ValueError("queued drafts read the shared feature table only")
+        n, width = settled.shape
+        step = pb.DraftStep()
+        queued = step.queued
+        if self._settled is None or self._settled.numel() < n * width:
+            grown = max(n * width, 2 * (self._settled.numel() if self._settled is not None else 0))
+            self._settled = torch.empty(grown, 1, dtype=torch.int64, device=settled.device)
+            if settled.is_cuda and self._settled_event is None:
+                self._settled_event = torch.cuda.Event(interprocess=True)
+            self._settled_offered = False
+        self._settled.view(-1)[:n * width].view(n, width).copy_(settled)  # behind the sampler
+        if self._settled_event is not None:  # (on a CPU the copy is done when it returns)
+            # on the stream of the buffer's device, whatever device is current on this thread
+            self._settled_event.record(torch.cuda.current_stream(settled.device))
+        if not self._settled_offered:
+            queued.settled_buffer.CopyFrom(describe(self._settled))
+            if self._settled_event is not None:
+                queued.settled_event = bytes(self._settled_event.ipc_handle())
+        for rid, want in zip(request_ids, wants, strict=True):
+            queued.wants.add(request_id=rid, num_drafts=want.num_drafts, temperature=want.temperature,
+                             top_k=want.top_k)
+        queued.rows.extend(rows)
+        queued.feature_cells.extend(feature_cells)
+        queued.settled_shape.extend([n, width])
+        if threading.get_ident() == self._loop_thread:
+            future = self.send(step, {})
+        else:  # a CPU verifier verifies on its worker thread: the loop sends
+            future = asyncio.run_coroutine_threadsafe(self._send_soon(step), self._loop).result(5.0)
+        if future is None:
+            return False
+        self._settled_offered = True
+        self._queued = (future, request_ids, wants)
+        return True
+
+    async def _send_soon(self, step: pb.DraftStep) -> asyncio.Future | None:
+        return self.send(step, {})
+
+    def take_drafts(self, request_ids: list[str], wants: list[Want], counts: list[int]) -> QueuedDrafts:
+        """The drafts queue_drafts asked for, to be awaited (QueuedDrafts.arrive) before they are used."""
+        (future, ids, asked), self._queued = self._queued, None
+        if ids != request_ids:
+            raise ValueError("take_drafts for other requests than queue_drafts queued")
+        return QueuedDrafts(request_ids, asked, None, answer=lambda: self.result(future),
+                            vocab_size=self.handshake.vocab_size)
+
+    def drop_drafts(self) -> None:
+        """The verification lost its result: its queued step is left unread (the scheduler re-sends those
+        requests whole)."""
+        self._queued = None
 
     def share(self, table: torch.Tensor) -> None:
         """The owner's feature table [rows, width] (a CUDA tensor at the start of its storage, kept alive by
@@ -429,6 +529,7 @@ class DrafterLink(_StepResults):
                   and response.drafter.shared_features_host == host_id()
                   and device_uuid(self.share_from) in response.drafter.shared_features_gpus)
         self.feature_device, self._offered = (self.share_from if shares else None), False
+        self._settled_offered = False
         self.check_info(response.drafter)
         self.info = response.drafter
         self.max_step_bytes = float("inf") if shares else step_feature_bytes(

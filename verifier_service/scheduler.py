@@ -268,8 +268,10 @@ class Scheduler:
         self._frees: list[str] = []  # requests the drafter knows that left the batch
         self._in_flight: tuple[asyncio.Future, dict[str, Want]] | None = None  # serial mode's sent step
         self._queued_drafts: QueuedDrafts | None = None  # serial mode's, queued behind the last sampler
-        self._queueing = link is not None and link.queues_drafts and (
-            config.queue_drafts if config.queue_drafts is not None else link.feature_device.type == "cuda")
+        # Whether serial drafts may be queued behind the sampler where the link can (a remote link can once
+        # its drafter maps the features): asked for, or by default where the link says so and features
+        # live on a GPU.
+        self._queue_asked = config.queue_drafts
         self._verify_seconds = 0.0  # wall time of the last verification, launch to tokens
         # Moving averages for table_wait: the share of on-time tables holding the outcome, and the tokens a
         # verification of drafts settles per request (tau). Their first values make that budget half a
@@ -537,6 +539,7 @@ class Scheduler:
         else:
             sent, self._in_flight = self._in_flight, None
             result = await self.link.result(sent[0]) if sent else None
+            await self._queued_arrived()
             batch = self._drafts_for(live, result, sent[1] if sent else {})
             round_trace.mark("v.drafts")
             live = [r for r in live if r.live]  # the wait may have let aborts in
@@ -842,10 +845,25 @@ class Scheduler:
         self._queued_drafts = queued
         return set(ids)
 
+    async def _queued_arrived(self) -> None:
+        """Waits for the drafts queued behind the last sampler where they come as an answer (a drafter in
+        another process); if it never comes, their requests are sent whole next step."""
+        queued = self._queued_drafts
+        if queued is None:
+            return
+        await queued.arrive()
+        if queued.lost:
+            for rid in queued.request_ids:
+                if (r := self.requests.get(rid)) is not None:
+                    self._resend_whole(r)
+
     def _queueable(self, live: list[Request], batch: BatchDrafts) -> list[int]:
         """Rows whose next drafts can be queued behind this round's sampler: the drafter drafted their last
         tokens (these drafts) and has been told nothing since."""
-        if not (self._queueing and self.link.can_queue()):
+        device = self.link.feature_device
+        asked = self._queue_asked if self._queue_asked is not None else (
+            self.link.queues_on_auto and device is not None and device.type == "cuda")
+        if not (asked and self.link.queues_drafts and self.link.can_queue()):
             return []
         return [i for i, (r, k) in enumerate(zip(live, batch.num_drafts, strict=True))
                 if k and r.drafter_len == len(r.tokens) and self._num_drafts(r)]

@@ -60,7 +60,7 @@ class HandshakeRequest(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., feature_dim: _Optional[int] = ..., num_layers: _Optional[int] = ...) -> None: ...
 
 class DrafterInfo(_message.Message):
-    __slots__ = ("head", "feature_dim", "aux_layers", "max_num_drafts", "max_requests", "feature_dtype", "max_branches", "chains", "max_message_bytes", "shared_features_host", "shared_features_gpus")
+    __slots__ = ("head", "feature_dim", "aux_layers", "max_num_drafts", "max_requests", "feature_dtype", "max_branches", "chains", "max_message_bytes", "shared_features_host", "shared_features_gpus", "queues_drafts")
     HEAD_FIELD_NUMBER: _ClassVar[int]
     FEATURE_DIM_FIELD_NUMBER: _ClassVar[int]
     AUX_LAYERS_FIELD_NUMBER: _ClassVar[int]
@@ -72,6 +72,7 @@ class DrafterInfo(_message.Message):
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     SHARED_FEATURES_HOST_FIELD_NUMBER: _ClassVar[int]
     SHARED_FEATURES_GPUS_FIELD_NUMBER: _ClassVar[int]
+    QUEUES_DRAFTS_FIELD_NUMBER: _ClassVar[int]
     head: str
     feature_dim: int
     aux_layers: _containers.RepeatedScalarFieldContainer[int]
@@ -83,7 +84,8 @@ class DrafterInfo(_message.Message):
     max_message_bytes: int
     shared_features_host: str
     shared_features_gpus: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, head: _Optional[str] = ..., feature_dim: _Optional[int] = ..., aux_layers: _Optional[_Iterable[int]] = ..., max_num_drafts: _Optional[int] = ..., max_requests: _Optional[int] = ..., feature_dtype: _Optional[_Union[DType, str]] = ..., max_branches: _Optional[int] = ..., chains: _Optional[bool] = ..., max_message_bytes: _Optional[int] = ..., shared_features_host: _Optional[str] = ..., shared_features_gpus: _Optional[_Iterable[str]] = ...) -> None: ...
+    queues_drafts: bool
+    def __init__(self, head: _Optional[str] = ..., feature_dim: _Optional[int] = ..., aux_layers: _Optional[_Iterable[int]] = ..., max_num_drafts: _Optional[int] = ..., max_requests: _Optional[int] = ..., feature_dtype: _Optional[_Union[DType, str]] = ..., max_branches: _Optional[int] = ..., chains: _Optional[bool] = ..., max_message_bytes: _Optional[int] = ..., shared_features_host: _Optional[str] = ..., shared_features_gpus: _Optional[_Iterable[str]] = ..., queues_drafts: _Optional[bool] = ...) -> None: ...
 
 class HandshakeResponse(_message.Message):
     __slots__ = ("ok", "message", "drafter", "protocol_version")
@@ -158,16 +160,34 @@ class DraftWant(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., num_drafts: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., num_branches: _Optional[int] = ..., verifying_branch: _Optional[int] = ..., keep_chain: _Optional[bool] = ..., verifying_chain: _Optional[bool] = ...) -> None: ...
 
 class DraftStep(_message.Message):
-    __slots__ = ("step_id", "updates", "wants", "shared_features")
+    __slots__ = ("step_id", "updates", "wants", "shared_features", "queued")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     UPDATES_FIELD_NUMBER: _ClassVar[int]
     WANTS_FIELD_NUMBER: _ClassVar[int]
     SHARED_FEATURES_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     updates: _containers.RepeatedCompositeFieldContainer[RequestUpdate]
     wants: _containers.RepeatedCompositeFieldContainer[DraftWant]
     shared_features: SharedFeatures
-    def __init__(self, step_id: _Optional[int] = ..., updates: _Optional[_Iterable[_Union[RequestUpdate, _Mapping]]] = ..., wants: _Optional[_Iterable[_Union[DraftWant, _Mapping]]] = ..., shared_features: _Optional[_Union[SharedFeatures, _Mapping]] = ...) -> None: ...
+    queued: QueuedDrafts
+    def __init__(self, step_id: _Optional[int] = ..., updates: _Optional[_Iterable[_Union[RequestUpdate, _Mapping]]] = ..., wants: _Optional[_Iterable[_Union[DraftWant, _Mapping]]] = ..., shared_features: _Optional[_Union[SharedFeatures, _Mapping]] = ..., queued: _Optional[_Union[QueuedDrafts, _Mapping]] = ...) -> None: ...
+
+class QueuedDrafts(_message.Message):
+    __slots__ = ("wants", "rows", "feature_cells", "settled_shape", "settled_buffer", "settled_event")
+    WANTS_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    FEATURE_CELLS_FIELD_NUMBER: _ClassVar[int]
+    SETTLED_SHAPE_FIELD_NUMBER: _ClassVar[int]
+    SETTLED_BUFFER_FIELD_NUMBER: _ClassVar[int]
+    SETTLED_EVENT_FIELD_NUMBER: _ClassVar[int]
+    wants: _containers.RepeatedCompositeFieldContainer[DraftWant]
+    rows: _containers.RepeatedScalarFieldContainer[int]
+    feature_cells: _containers.RepeatedScalarFieldContainer[int]
+    settled_shape: _containers.RepeatedScalarFieldContainer[int]
+    settled_buffer: SharedFeatures
+    settled_event: bytes
+    def __init__(self, wants: _Optional[_Iterable[_Union[DraftWant, _Mapping]]] = ..., rows: _Optional[_Iterable[int]] = ..., feature_cells: _Optional[_Iterable[int]] = ..., settled_shape: _Optional[_Iterable[int]] = ..., settled_buffer: _Optional[_Union[SharedFeatures, _Mapping]] = ..., settled_event: _Optional[bytes] = ...) -> None: ...
 
 class SharedFeatures(_message.Message):
     __slots__ = ("device_uuid", "memory_handle", "storage_size_bytes", "storage_offset_bytes", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required", "shape", "dtype")
