@@ -349,3 +349,63 @@ def test_requests_begun_before_the_drafter_stay_undrafted_across_a_refusal(refus
     handed_later = {f"1/{i}": handed[f"1/later{i}"] for i in range(SLOTS)}
     assert_handed_the_target_features(handed_later, outputs, config, sd, head, "cpu", stream=1,
                                       max_tokens=LONG)
+
+
+def _greedy_outputs(port: int, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """Each prompt's greedy tokens from a verifier process, one request at a time."""
+    from specwire.v1 import generation_pb2 as gpb
+    from specwire.v1 import generation_pb2_grpc
+
+    outputs = []
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        for prompt in prompts:
+            request = gpb.GenerateRequest(token_ids=gpb.TokenIds(ids=prompt), sampling=gpb.SamplingParams(
+                max_tokens=max_tokens, ignore_eos=True))
+            tokens = []
+            for response in stub.Generate(request, timeout=120):
+                assert response.WhichOneof("event") != "error", response.error.message
+                if response.WhichOneof("event") == "chunk":
+                    tokens += response.chunk.token_ids
+            outputs.append(tokens)
+    return outputs
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_drafter_process_queued_behind_the_sampler_gives_target_only_greedy_output(tmp_path):
+    """Real processes on the GPUs (the drafter on the first, the verifier on the last): with
+    --queue-drafts on, the drafter maps the verifier's sampler output and waits for its interprocess event
+    (the CUDA side the CPU tests above swap out). Greedy output must equal a target-only verifier's, and the
+    verifier must have queued drafts."""
+    from urllib.request import urlopen
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from specwire.commands.demo import free_port, start, stop, wait_drafter_connected, wait_serving
+
+    gpus, model, socket_path = torch.cuda.device_count(), "synthetic:tiny", str(tmp_path / "drafter.sock")
+    metrics_port = free_port()
+    drafter = start("drafter", ["drafter", "--model", model, "--device", "cuda:0", "--step-socket",
+                                socket_path, "--metrics-port", str(free_port())], tmp_path)
+    services = [drafter]
+    try:
+        wait_serving([drafter], 240)
+        verifier = start("verifier", ["verifier", "--model", model, "--device", f"cuda:{gpus - 1}",
+                                      "--drafter", f"127.0.0.1:{drafter.port}", "--drafter-socket",
+                                      socket_path, "--cache-branches", "0", "--queue-drafts", "on",
+                                      "--metrics-port", str(metrics_port)], tmp_path)
+        target = start("target", ["verifier", "--model", model, "--device", f"cuda:{gpus - 1}", "--k", "0",
+                                  "--metrics-port", str(free_port())], tmp_path)
+        services += [verifier, target]
+        wait_serving([verifier, target], 240)
+        assert wait_drafter_connected(verifier.port, 120), verifier.log.read_text()[-2000:]
+        g = torch.Generator().manual_seed(7)
+        prompts = [torch.randint(3, 200, (int(n),), generator=g).tolist() for n in (5, 17, 40, 9)]
+        assert _greedy_outputs(verifier.port, prompts, 48) == _greedy_outputs(target.port, prompts, 48)
+        text = urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+        queued = sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+                     if s.name == "specwire_queued_drafts_total")
+        assert queued > 0, verifier.log.read_text()[-2000:]
+    finally:
+        stop(services)
