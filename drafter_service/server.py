@@ -343,6 +343,9 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
                             f"the shared buffer of {buffer.numel()} values")
         if any(row >= n for row in queued.rows):
             raise WireError(f"queued drafts: a row past the sampler output's {n}")
+        rows = len(self._tables[stream])
+        if any(cell >= rows for cell in queued.feature_cells):
+            raise WireError(f"queued drafts: a feature cell past the table's {rows} rows")
         wants = list(queued.wants)
         temperature = [max(w.temperature, 0.0) for w in wants]
         top_k = [w.top_k for w in wants]

@@ -40,7 +40,7 @@ from specwire.shared_features import describe, host_id, open_table
 from specwire.synthetic import synthetic_tokenizer
 from specwire.v1 import drafter_pb2 as pb
 from specwire.v1 import drafter_pb2_grpc
-from specwire.wire import WireError
+from specwire.wire import WireError, encode_tensor
 
 LONG = 100  # tokens a request generates where a stream breaks mid-run: live requests outlast the reconnect
 
@@ -152,6 +152,46 @@ def test_drafts_queued_behind_the_sampler_across_processes_read_what_it_settled(
     says_it_maps(plain)
     reference, _ = asyncio.run(generate_over_grpc(plain, engine2, 0, VerifierMetrics()))[1]
     assert outputs == reference
+
+
+def test_malformed_queued_drafts_are_refused_and_their_requests_dropped(in_process_mapping, caplog):
+    """Queued drafts the drafter cannot serve (no sampler buffer offered, a shape the buffer cannot hold, a
+    row or feature cell out of range) drop their requests with the reason logged, and the drafter serves on:
+    the verifier then sends those requests whole."""
+    config, sd, head, engine, proposer, handed = recording_drafter("cpu", "cpu", 0, 0)
+    service, owned = drafter_service(proposer, config), set()
+    width = head.config.feature_dim
+
+    def hold(rid: str) -> None:
+        step = pb.DraftStep(step_id=1)
+        new = step.updates.add(request_id=rid).new_request
+        new.token_ids.extend([5, 6, 7])
+        new.features.CopyFrom(encode_tensor(torch.zeros(2, width)))
+        assert not service.run_step(0, owned, step).dropped_request_ids
+
+    def queued_step(**fields) -> pb.DraftStep:
+        step = pb.DraftStep(step_id=2)
+        step.queued.wants.add(request_id="a", num_drafts=2)
+        step.queued.rows.append(fields.get("row", 0))
+        step.queued.feature_cells.extend([fields.get("cell", 0)] * (K + 1))
+        step.queued.settled_shape.extend(fields.get("shape", [1, K + 2]))
+        if "buffer" in fields:
+            step.queued.settled_buffer.CopyFrom(drafter_link.describe(fields["buffer"]))
+        return step
+
+    service._tables[0] = torch.zeros(16, width)  # a mapped feature table (the stream offered one)
+    buffer = torch.zeros(8, 1, dtype=torch.int64)
+    for step, reason in [(queued_step(), "offered no sampler buffer"),
+                         (queued_step(buffer=buffer, shape=[4, 3]), "does not fit"),
+                         (queued_step(buffer=buffer, row=1), "a row past"),
+                         (queued_step(buffer=buffer, shape=[1, 3], cell=16), "a feature cell past")]:
+        hold("a")
+        caplog.clear()
+        result = service.run_step(0, owned, step)
+        assert list(result.dropped_request_ids) == ["a"] and "0/a" not in service._known, reason
+        assert reason in next(r.reason for r in caplog.records if r.msg == "queued drafts refused")
+    hold("a")  # and it serves on
+    assert "0/a" in service._known
 
 
 class BrokenOnQueuedDrafter(drafter_server.DrafterService):
