@@ -18,6 +18,8 @@ import json
 import sys
 from pathlib import Path
 
+from specwire.metrics import DRAFTING_MODES
+
 
 def fmt(value: object, spec: str, suffix: str = "") -> str:
     return format(value, spec) + suffix if isinstance(value, int | float) else "—"
@@ -70,9 +72,6 @@ def table(report: dict, temperature: float = 0.0, setups: list[str] | None = Non
     return "\n".join(lines + ["| " + " | ".join(cells) + " |" for cells in rows])
 
 
-MODES = ("tables", "serial", "none")
-
-
 def modes_table(report: dict, temperature: float = 0.0, setups: list[str] | None = None) -> str:
     """The speculation cache's rounds by drafting mode, per point that timed them ("" when none did)."""
     lines = []
@@ -86,9 +85,9 @@ def modes_table(report: dict, temperature: float = 0.0, setups: list[str] | None
         lines.append("| " + " | ".join([
             r["setup"], str(r["forced_hit_rate"]) if r.get("forced_hit_rate") is not None else "—",
             fmt(r["batch"], "d"), r.get("load", "batch"),
-            " / ".join(fmt((cache.get("rounds") or {}).get(m), ".0f") for m in MODES),
-            " / ".join(fmt(timed.get(m), ".2f") for m in MODES),
-            " / ".join(fmt(per_round.get(m), ".2f") for m in MODES)]) + " |")
+            " / ".join(fmt((cache.get("rounds") or {}).get(m), ".0f") for m in DRAFTING_MODES),
+            " / ".join(fmt(timed.get(m), ".2f") for m in DRAFTING_MODES),
+            " / ".join(fmt(per_round.get(m), ".2f") for m in DRAFTING_MODES)]) + " |")
     if not lines:
         return ""
     header = ["setup", "hit", "batch", "load", "rounds: tables / serial / none", "ms a round",

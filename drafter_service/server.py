@@ -337,9 +337,10 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
         if stream not in self._settled or stream not in self._tables:
             raise WireError("queued drafts on a stream that offered no sampler buffer or feature table")
         buffer, event = self._settled[stream]
-        n, width = (list(queued.settled_shape) + [0, 0])[:2]
-        if len(queued.settled_shape) != 2 or n * width > buffer.numel() or width < 2:
-            raise WireError(f"queued drafts: sampler output shape {list(queued.settled_shape)} does not fit "
+        shape = list(queued.settled_shape)
+        n, width = shape if len(shape) == 2 else (0, 0)
+        if width < 2 or n * width > buffer.numel():
+            raise WireError(f"queued drafts: sampler output shape {shape} does not fit "
                             f"the shared buffer of {buffer.numel()} values")
         if any(row >= n for row in queued.rows):
             raise WireError(f"queued drafts: a row past the sampler output's {n}")
@@ -348,16 +349,15 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
             raise WireError(f"queued drafts: a feature cell past the table's {rows} rows")
         wants = list(queued.wants)
         temperature = [max(w.temperature, 0.0) for w in wants]
-        top_k = [w.top_k for w in wants]
+        top_k = [min(w.top_k, self.proposer.max_top_k) if t > 0 else 0
+                 for w, t in zip(wants, temperature, strict=True)]
         if event is not None:
             torch.cuda.current_stream(self.proposer.device).wait_event(event)
         self.queue_drafts(stream, [w.request_id for w in wants], [w.num_drafts for w in wants], temperature,
                           top_k, buffer[:n * width].view(n, width), list(queued.rows), self._tables[stream],
                           list(queued.feature_cells))
         proposal = self.take_drafts(owned, self.proposer.queued_counts())
-        self._split(wants, proposal, temperature,
-                    [min(tk, self.proposer.max_top_k) if t > 0 else 0 for t, tk in zip(temperature, top_k,
-                                                                                        strict=True)], result)
+        self._split(wants, proposal, temperature, top_k, result)
 
     # A co-located verifier's serial drafts without a DraftStep: queued on the device behind its sampler,
     # taken once it has read how many tokens each request settled (proposer.queue_after_verification).
