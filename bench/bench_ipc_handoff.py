@@ -10,6 +10,11 @@ wait in between, and what would a round cost? A prototype of the hand-off, two p
   it. The host of each side never waits for its GPU inside the round. "device" opens each event on the GPU
   that records it; "device_waiter" on the GPU of the stream that waits for it (a run of session 32 had the
   drafter process crash in "device").
+- "flag_peer" / "flag_local" (specwire/stream_values.py): the verifier messages the drafter *before* it
+  queues its step, and writes the round's number into a slot of GPU memory behind it; the drafter queues a
+  wait for that number and its drafting at once, waits for its drafts on the host and answers (as the
+  services do). The slot lives on the verifier's GPU (the drafter's stream watches peer memory) or on the
+  drafter's (the verifier's stream writes to peer memory).
 
 The step and the drafting are matmul loops sized by --verify-ms / --draft-ms. A counter rides the data
 through both processes (each round adds 1 on each side) and is checked at the end, so a missed wait (a
@@ -27,6 +32,8 @@ import multiprocessing as mp
 import time
 
 import torch
+
+from specwire.stream_values import wait_value, write_value
 
 SIDE = 4096  # a bf16 matmul of this side is a few tenths of a millisecond: few launches a round
 
@@ -59,24 +66,36 @@ def drafter(conn, mode: str, rounds: int, draft_ms: float) -> None:
     work = work_matrix(device)
     out = torch.zeros(8, dtype=torch.int64, device=device)  # "drafts": the counter in out[0]
     done = torch.cuda.Event(interprocess=True)
-    conn.send((out.untyped_storage()._share_cuda_(), bytes(done.ipc_handle())))
-    shared, handle = conn.recv()  # the verifier's output buffer and its event
-    verified = torch.empty(0, dtype=torch.int64, device="cuda:1").set_(
-        torch.UntypedStorage._new_shared_cuda(*shared), 0, (8,), (1,))
-    verifier_done = torch.cuda.Event.from_ipc_handle(device if mode == "device_waiter" else
-                                                     torch.device("cuda:1"), handle)
+    local_slot = torch.zeros(1, dtype=torch.int64, device=device)
+    conn.send((out.untyped_storage()._share_cuda_(), bytes(done.ipc_handle()),
+               local_slot.untyped_storage()._share_cuda_()))
+    shared, handle, peer_slot = conn.recv()  # the verifier's output buffer, its event and its slot
+    verified = mapped(shared, 8, "cuda:1")
+    slot = mapped(peer_slot, 1, "cuda:1") if mode == "flag_peer" else local_slot
+    if mode not in FLAG_MODES:
+        verifier_done = torch.cuda.Event.from_ipc_handle(device if mode == "device_waiter" else
+                                                         torch.device("cuda:1"), handle)
+    stream = torch.cuda.current_stream(device)
     for _ in range(rounds):
-        conn.recv()
-        if mode != "host":
-            torch.cuda.current_stream(device).wait_event(verifier_done)
+        seq = conn.recv()
+        if mode in FLAG_MODES:
+            wait_value(slot, seq, stream)
+        elif mode != "host":
+            stream.wait_event(verifier_done)
         out.copy_(verified)  # over NVLink
         busy(work, iters)
         out[0] += 1
         done.record()
-        if mode == "host":
+        if mode == "host" or mode in FLAG_MODES:
             done.synchronize()
         conn.send(0)
     conn.recv()
+
+
+def mapped(shared: tuple, n: int, device: str) -> torch.Tensor:
+    """n int64 of another process's GPU memory (what _share_cuda_ gave)."""
+    return torch.empty(0, dtype=torch.int64, device=device).set_(
+        torch.UntypedStorage._new_shared_cuda(*shared), 0, (n,), (1,))
 
 
 def answer(conn, child: mp.Process):
@@ -86,8 +105,10 @@ def answer(conn, child: mp.Process):
     return conn.recv()
 
 
-MODES = ("host", "device_waiter", "host", "device_waiter")  # device_waiter: each side opens the other's event
-# on its own GPU ("device", on the GPU that records it, crashed the drafter in torch 2.11: --modes)
+FLAG_MODES = ("flag_peer", "flag_local")
+# device_waiter: each side opens the other's event on its own GPU ("device", on the GPU that records it,
+# crashed the drafter in torch 2.11: --modes)
+MODES = ("host", "device_waiter", *FLAG_MODES) * 2
 
 
 def one_run(mode: str, rounds: int, iters: int, draft_ms: float) -> dict:
@@ -100,24 +121,33 @@ def one_run(mode: str, rounds: int, iters: int, draft_ms: float) -> dict:
         work = work_matrix(device)
         out = torch.zeros(8, dtype=torch.int64, device=device)
         done = torch.cuda.Event(interprocess=True)
-        shared, handle = answer(ours, child)
-        drafts = torch.empty(0, dtype=torch.int64, device="cuda:0").set_(
-            torch.UntypedStorage._new_shared_cuda(*shared), 0, (8,), (1,))
-        drafter_done = torch.cuda.Event.from_ipc_handle(device if mode == "device_waiter" else
-                                                        torch.device("cuda:0"), handle)
-        ours.send((out.untyped_storage()._share_cuda_(), bytes(done.ipc_handle())))
+        local_slot = torch.zeros(1, dtype=torch.int64, device=device)
+        shared, handle, peer_slot = answer(ours, child)
+        drafts = mapped(shared, 8, "cuda:0")
+        slot = mapped(peer_slot, 1, "cuda:0") if mode == "flag_local" else local_slot
+        if mode not in FLAG_MODES:
+            drafter_done = torch.cuda.Event.from_ipc_handle(device if mode == "device_waiter" else
+                                                            torch.device("cuda:0"), handle)
+        ours.send((out.untyped_storage()._share_cuda_(), bytes(done.ipc_handle()),
+                   local_slot.untyped_storage()._share_cuda_()))
+        stream = torch.cuda.current_stream(device)
         start = time.perf_counter()
-        for _ in range(rounds):
+        for seq in range(1, rounds + 1):
+            if mode in FLAG_MODES:  # told before the step is queued
+                ours.send(seq)
             busy(work, iters)  # the verification
             out.copy_(drafts)  # the last round's drafts (zeros at first)
             out[0] += 1
-            done.record()
-            if mode == "host":
-                done.synchronize()
-            ours.send(0)
+            if mode in FLAG_MODES:
+                write_value(slot, seq, stream)
+            else:
+                done.record()
+                if mode == "host":
+                    done.synchronize()
+                ours.send(seq)
             answer(ours, child)
-            if mode != "host":
-                torch.cuda.current_stream(device).wait_event(drafter_done)
+            if mode not in FLAG_MODES and mode != "host":
+                stream.wait_event(drafter_done)
         out.copy_(drafts)
         torch.cuda.synchronize(device)
         ms = 1e3 * (time.perf_counter() - start) / rounds
