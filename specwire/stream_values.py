@@ -37,16 +37,27 @@ def _check(result: int, what: str) -> None:
         raise RuntimeError(f"{what} failed: CUDA error {result} ({(text.value or b'?').decode()})")
 
 
-def _slot_address(slot: torch.Tensor) -> int:
+@functools.cache
+def _peer_access(first: int, second: int) -> None:
+    """The driver refuses stream operations on another GPU's memory until peer access is enabled, which torch
+    does on the two GPUs' first copies (bench/probe_stream_values.py): one each way."""
+    a, b = torch.zeros(1, device=f"cuda:{first}"), torch.zeros(1, device=f"cuda:{second}")
+    a.copy_(b)
+    b.copy_(a)
+
+
+def _slot_address(slot: torch.Tensor, stream: torch.cuda.Stream) -> int:
     if not (slot.is_cuda and slot.dtype == torch.int64 and slot.numel() == 1):
         raise ValueError(f"a stream value slot is one int64 of GPU memory, got {slot.dtype} "
                          f"{tuple(slot.shape)} on {slot.device}")
+    if slot.device != stream.device:
+        _peer_access(*sorted((slot.device.index, stream.device.index)))
     return slot.data_ptr()
 
 
 def write_value(slot: torch.Tensor, value: int, stream: torch.cuda.Stream) -> None:
     """Queues on `stream` a write of `value` into `slot` behind the work queued on it so far."""
-    address = _slot_address(slot)
+    address = _slot_address(slot, stream)
     with torch.cuda.device(stream.device):
         _check(_driver().cuStreamWriteValue64_v2(stream.cuda_stream, address, value, _WRITE_DEFAULT),
                "cuStreamWriteValue64")
@@ -55,7 +66,7 @@ def write_value(slot: torch.Tensor, value: int, stream: torch.cuda.Stream) -> No
 def wait_value(slot: torch.Tensor, value: int, stream: torch.cuda.Stream) -> None:
     """Makes the work queued on `stream` from now on wait until `slot` holds at least `value`. `slot` may
     live on another GPU (peer memory, reachable from this stream's GPU)."""
-    address = _slot_address(slot)
+    address = _slot_address(slot, stream)
     with torch.cuda.device(stream.device):
         _check(_driver().cuStreamWaitValue64_v2(stream.cuda_stream, address, value, _WAIT_GEQ),
                "cuStreamWaitValue64")
