@@ -10,11 +10,10 @@ wait in between, and what would a round cost? A prototype of the hand-off, two p
   it. The host of each side never waits for its GPU inside the round. "device" opens each event on the GPU
   that records it; "device_waiter" on the GPU of the stream that waits for it (a run of session 32 had the
   drafter process crash in "device").
-- "flag_peer" / "flag_local" (specwire/stream_values.py): the verifier messages the drafter *before* it
-  queues its step, and writes the round's number into a slot of GPU memory behind it; the drafter queues a
-  wait for that number and its drafting at once, waits for its drafts on the host and answers (as the
-  services do). The slot lives on the verifier's GPU (the drafter's stream watches peer memory) or on the
-  drafter's (the verifier's stream writes to peer memory).
+- "flag" (specwire/stream_values.py): the verifier messages the drafter *before* it queues its step, and
+  its stream writes the round's number into a slot of host memory both map behind the step; the drafter
+  queues a wait for that number and its drafting at once, waits for its drafts on the host and answers (as
+  the services do).
 
 The step and the drafting are matmul loops sized by --verify-ms / --draft-ms. A counter rides the data
 through both processes (each round adds 1 on each side) and is checked at the end, so a missed wait (a
@@ -29,11 +28,12 @@ import argparse
 import faulthandler
 import json
 import multiprocessing as mp
+import os
 import time
 
 import torch
 
-from specwire.stream_values import wait_value, write_value
+from specwire.stream_values import HostSlot, wait_value, write_value
 
 SIDE = 4096  # a bf16 matmul of this side is a few tenths of a millisecond: few launches a round
 
@@ -66,12 +66,10 @@ def drafter(conn, mode: str, rounds: int, draft_ms: float) -> None:
     work = work_matrix(device)
     out = torch.zeros(8, dtype=torch.int64, device=device)  # "drafts": the counter in out[0]
     done = torch.cuda.Event(interprocess=True)
-    local_slot = torch.zeros(1, dtype=torch.int64, device=device)
-    conn.send((out.untyped_storage()._share_cuda_(), bytes(done.ipc_handle()),
-               local_slot.untyped_storage()._share_cuda_()))
-    shared, handle, peer_slot = conn.recv()  # the verifier's output buffer, its event and its slot
+    conn.send((out.untyped_storage()._share_cuda_(), bytes(done.ipc_handle())))
+    shared, handle, slot_path = conn.recv()  # the verifier's output buffer, its event and its slot
     verified = mapped(shared, 8, "cuda:1")
-    slot = mapped(peer_slot, 1, "cuda:1") if mode == "flag_peer" else local_slot
+    slot = HostSlot(slot_path)
     if mode not in FLAG_MODES:
         verifier_done = torch.cuda.Event.from_ipc_handle(device if mode == "device_waiter" else
                                                          torch.device("cuda:1"), handle)
@@ -105,7 +103,7 @@ def answer(conn, child: mp.Process):
     return conn.recv()
 
 
-FLAG_MODES = ("flag_peer", "flag_local")
+FLAG_MODES = ("flag",)
 # device_waiter: each side opens the other's event on its own GPU ("device", on the GPU that records it,
 # crashed the drafter in torch 2.11: --modes)
 MODES = ("host", "device_waiter", *FLAG_MODES) * 2
@@ -117,19 +115,17 @@ def one_run(mode: str, rounds: int, iters: int, draft_ms: float) -> dict:
     ours, theirs = ctx.Pipe()
     child = ctx.Process(target=drafter, args=(theirs, mode, rounds, draft_ms))
     child.start()
+    slot = HostSlot(f"/dev/shm/specwire-handoff-{os.getpid()}", create=True)
     try:
         work = work_matrix(device)
         out = torch.zeros(8, dtype=torch.int64, device=device)
         done = torch.cuda.Event(interprocess=True)
-        local_slot = torch.zeros(1, dtype=torch.int64, device=device)
-        shared, handle, peer_slot = answer(ours, child)
+        shared, handle = answer(ours, child)
         drafts = mapped(shared, 8, "cuda:0")
-        slot = mapped(peer_slot, 1, "cuda:0") if mode == "flag_local" else local_slot
         if mode not in FLAG_MODES:
             drafter_done = torch.cuda.Event.from_ipc_handle(device if mode == "device_waiter" else
                                                             torch.device("cuda:0"), handle)
-        ours.send((out.untyped_storage()._share_cuda_(), bytes(done.ipc_handle()),
-                   local_slot.untyped_storage()._share_cuda_()))
+        ours.send((out.untyped_storage()._share_cuda_(), bytes(done.ipc_handle()), slot.path))
         stream = torch.cuda.current_stream(device)
         start = time.perf_counter()
         for seq in range(1, rounds + 1):
@@ -157,6 +153,7 @@ def one_run(mode: str, rounds: int, iters: int, draft_ms: float) -> dict:
     finally:
         if child.is_alive():
             child.kill()
+        slot.close(unlink=True)
 
 
 def main() -> None:

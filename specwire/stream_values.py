@@ -3,20 +3,25 @@
 An interprocess CUDA event only orders work queued after the event was recorded: a process that must queue
 its work before the other has queued what it waits for (a drafter queuing its drafting while the verifier's
 forward is still being launched) needs a wait that does not depend on that order. Here the waiting stream
-watches a 64-bit slot of GPU memory until it holds at least a sequence number, and the writing stream writes
-that number behind its work (the driver fences the writes before it, so whatever the work wrote is visible
-once the number is). Through the driver API with ctypes: torch does not expose these calls.
+watches a 64-bit slot until it holds at least a sequence number, and the writing stream writes that number
+behind its work (the driver fences the writes before it, so whatever the work wrote is visible once the
+number is). The slot is host memory both processes map (a file under /dev/shm, registered for every GPU):
+a slot in one GPU's memory mapped by CUDA IPC is refused by the other GPU's stream operations
+(bench/probe_stream_values.py). Through the driver API with ctypes: torch does not expose these calls.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
+import mmap
+import os
 
 import torch
 
 _WAIT_GEQ = 0x0  # CU_STREAM_WAIT_VALUE_GEQ
 _WRITE_DEFAULT = 0x0  # CU_STREAM_WRITE_VALUE_DEFAULT: a memory fence before the write
+_REGISTER_PORTABLE_DEVICEMAP = 0x1 | 0x2  # CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_DEVICEMAP
 
 
 @functools.cache
@@ -26,6 +31,10 @@ def _driver() -> ctypes.CDLL:
         fn = getattr(lib, name)
         fn.restype = ctypes.c_int
         fn.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint]
+    lib.cuMemHostRegister_v2.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
+    lib.cuMemHostUnregister.argtypes = [ctypes.c_void_p]
+    lib.cuMemHostGetDevicePointer_v2.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_void_p,
+                                                 ctypes.c_uint]
     lib.cuGetErrorString.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
     return lib
 
@@ -37,36 +46,58 @@ def _check(result: int, what: str) -> None:
         raise RuntimeError(f"{what} failed: CUDA error {result} ({(text.value or b'?').decode()})")
 
 
-@functools.cache
-def _peer_access(first: int, second: int) -> None:
-    """The driver refuses stream operations on another GPU's memory until peer access is enabled, which torch
-    does on the two GPUs' first copies (bench/probe_stream_values.py): one each way."""
-    a, b = torch.zeros(1, device=f"cuda:{first}"), torch.zeros(1, device=f"cuda:{second}")
-    a.copy_(b)
-    b.copy_(a)
+class HostSlot:
+    """A 64-bit number in host memory shared by this host's processes (the file at `path`, created by one,
+    opened by the others by its path) and mapped for the GPUs of each. value: what the host reads now."""
+
+    SIZE = mmap.PAGESIZE
+
+    def __init__(self, path: str, create: bool = False):
+        self.path = path
+        fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
+        try:
+            if create:
+                os.ftruncate(fd, self.SIZE)
+            elif os.fstat(fd).st_size < self.SIZE:
+                raise ValueError(f"{path} is not a slot ({os.fstat(fd).st_size} bytes)")
+            self._map = mmap.mmap(fd, self.SIZE)
+        finally:
+            os.close(fd)
+        self._cell = ctypes.c_uint64.from_buffer(self._map)
+        host = ctypes.addressof(self._cell)
+        torch.cuda.init()  # a current context for the driver's calls
+        driver, device = _driver(), ctypes.c_uint64()
+        _check(driver.cuMemHostRegister_v2(host, self.SIZE, _REGISTER_PORTABLE_DEVICEMAP),
+               "cuMemHostRegister")
+        _check(driver.cuMemHostGetDevicePointer_v2(ctypes.byref(device), host, 0),
+               "cuMemHostGetDevicePointer")
+        self.address = device.value
+
+    @property
+    def value(self) -> int:
+        return self._cell.value
+
+    def set(self, value: int) -> None:
+        """Writes from the host (a wait that must end whatever the GPUs do)."""
+        self._cell.value = value
+
+    def close(self, unlink: bool = False) -> None:
+        _driver().cuMemHostUnregister(ctypes.addressof(self._cell))
+        del self._cell
+        self._map.close()
+        if unlink:
+            os.unlink(self.path)
 
 
-def _slot_address(slot: torch.Tensor, stream: torch.cuda.Stream) -> int:
-    if not (slot.is_cuda and slot.dtype == torch.int64 and slot.numel() == 1):
-        raise ValueError(f"a stream value slot is one int64 of GPU memory, got {slot.dtype} "
-                         f"{tuple(slot.shape)} on {slot.device}")
-    if slot.device != stream.device:
-        _peer_access(*sorted((slot.device.index, stream.device.index)))
-    return slot.data_ptr()
-
-
-def write_value(slot: torch.Tensor, value: int, stream: torch.cuda.Stream) -> None:
+def write_value(slot: HostSlot, value: int, stream: torch.cuda.Stream) -> None:
     """Queues on `stream` a write of `value` into `slot` behind the work queued on it so far."""
-    address = _slot_address(slot, stream)
     with torch.cuda.device(stream.device):
-        _check(_driver().cuStreamWriteValue64_v2(stream.cuda_stream, address, value, _WRITE_DEFAULT),
+        _check(_driver().cuStreamWriteValue64_v2(stream.cuda_stream, slot.address, value, _WRITE_DEFAULT),
                "cuStreamWriteValue64")
 
 
-def wait_value(slot: torch.Tensor, value: int, stream: torch.cuda.Stream) -> None:
-    """Makes the work queued on `stream` from now on wait until `slot` holds at least `value`. `slot` may
-    live on another GPU (peer memory, reachable from this stream's GPU)."""
-    address = _slot_address(slot, stream)
+def wait_value(slot: HostSlot, value: int, stream: torch.cuda.Stream) -> None:
+    """Makes the work queued on `stream` from now on wait until `slot` holds at least `value`."""
     with torch.cuda.device(stream.device):
-        _check(_driver().cuStreamWaitValue64_v2(stream.cuda_stream, address, value, _WAIT_GEQ),
+        _check(_driver().cuStreamWaitValue64_v2(stream.cuda_stream, slot.address, value, _WAIT_GEQ),
                "cuStreamWaitValue64")
