@@ -28,7 +28,6 @@ import argparse
 import faulthandler
 import json
 import multiprocessing as mp
-import os
 import time
 
 import torch
@@ -115,7 +114,7 @@ def one_run(mode: str, rounds: int, iters: int, draft_ms: float) -> dict:
     ours, theirs = ctx.Pipe()
     child = ctx.Process(target=drafter, args=(theirs, mode, rounds, draft_ms))
     child.start()
-    slot = HostSlot(f"/dev/shm/specwire-handoff-{os.getpid()}", create=True)
+    slot = HostSlot()
     try:
         work = work_matrix(device)
         out = torch.zeros(8, dtype=torch.int64, device=device)
@@ -153,7 +152,8 @@ def one_run(mode: str, rounds: int, iters: int, draft_ms: float) -> dict:
     finally:
         if child.is_alive():
             child.kill()
-        slot.close(unlink=True)
+        slot.unlink()
+        slot.close()
 
 
 def main() -> None:

@@ -36,6 +36,7 @@ from specwire.metrics import DrafterMetrics
 from specwire.shared_features import host_id, open_table, shared_rows, unreadable_rows, visible_gpus
 from specwire.step_profiler import StepProfiler
 from specwire.step_socket import FrameError, MessageSocket
+from specwire.stream_values import HostSlot, wait_value
 from specwire.v1 import drafter_pb2 as pb
 from specwire.v1 import drafter_pb2_grpc
 from specwire.wire import (
@@ -89,6 +90,47 @@ class _StepReader:
         self._watcher.cancel()
 
 
+class _SharedOutput:
+    """A stream's shared sampler output (flat int64, in the verifier's memory) and, on GPUs, the slot the
+    verifier's GPU writes each queued step's number into once that output is there."""
+
+    def __init__(self, buffer: torch.Tensor, slot: HostSlot | None):
+        self.buffer, self.slot, self.sequence = buffer, slot, 0
+
+    def open_slot(self, path: str) -> None:
+        try:
+            slot = HostSlot(path)
+        except (ValueError, OSError, RuntimeError) as e:
+            raise WireError(f"queued drafts: cannot map the verifier's slot: {e}") from e
+        slot.unlink()  # mapped by both processes now: nothing is left behind if either dies
+        if self.slot is not None:
+            self.slot.set(_RELEASED)  # (a verifier's second slot on one stream replaces the first)
+            torch.cuda.synchronize()
+            self.slot.close()
+        self.slot, self.sequence = slot, 0
+
+    def await_number(self, sequence: int, timeout: float) -> None:
+        """Waits on the host until the verifier's GPU has written `sequence` (its sampler's output is in
+        the buffer); past `timeout` seconds this GPU's wait is released and the step is refused."""
+        deadline = time.monotonic() + timeout
+        while self.slot.value < sequence:
+            if time.monotonic() > deadline:
+                self.slot.set(sequence)
+                raise WireError(f"queued drafts: the verifier's sampler did not settle step {sequence} in "
+                                f"{timeout:.0f} s")
+            time.sleep(20e-6)
+
+    def close(self, device: torch.device) -> None:
+        """The stream ended: no wait of this GPU outlives it."""
+        if self.slot is not None:
+            self.slot.set(_RELEASED)
+            torch.cuda.synchronize(device)
+            self.slot.close()
+
+
+_RELEASED = 2**64 - 1  # a slot value every wait accepts
+
+
 class DrafterService(drafter_pb2_grpc.DrafterServicer):
     def __init__(self, metrics: DrafterMetrics, draining: asyncio.Event | None = None,
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, shared_features: bool = True):
@@ -102,8 +144,8 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
         self._streams = itertools.count()
         self._known: dict[str, int] = {}  # proposer key -> tokens the drafter holds for it
         self._tables: dict[int, torch.Tensor] = {}  # stream -> the verifier's shared feature table, mapped
-        # stream -> the verifier's shared sampler output (flat int64) and the event it records after each copy
-        self._settled: dict[int, tuple[torch.Tensor, torch.cuda.Event | None]] = {}
+        self._settled: dict[int, _SharedOutput] = {}  # stream -> the verifier's shared sampler output
+        self.settle_timeout = 10.0  # seconds a queued step waits for the verifier's sampler, then is dropped
         self._queued: list[str] = []  # keys of queue_drafts, until take_drafts
         self._queue_seconds = 0.0
         self._profiler = StepProfiler("drafter")
@@ -211,7 +253,8 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
             # reset under load) would otherwise keep its requests held for good (the link-fault test: 8 left).
             self._free_all(owned)
             self._tables.pop(stream, None)
-            self._settled.pop(stream, None)
+            if (shared := self._settled.pop(stream, None)) is not None:
+                shared.close(self.proposer.device)
             reader.cancel()
             await asyncio.gather(reader, return_exceptions=True)
             log.info("draft stream closed", extra={"stream": stream})
@@ -324,19 +367,24 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
 
     def _draft_queued(self, stream: int, owned: set[str], queued: pb.QueuedDrafts, result: pb.DraftResult
                       ) -> None:
-        """Drafts for tokens a same-host verifier's sampler is settling now: this GPU waits for its event,
-        then drafts from its sampler output and its feature table as a co-located drafter does
-        (queue_drafts), and the host waits only for the drafts (which waits for the sampler too)."""
+        """Drafts for tokens a same-host verifier's sampler is settling now: on GPUs this one's stream waits
+        until the verifier's writes the step's number into the shared slot (after copying the sampler's
+        output into the shared buffer), then drafts from that output and the feature table as a co-located
+        drafter does (queue_drafts); the host waits for the number, then for the drafts."""
         if queued.HasField("settled_buffer"):
             buffer = open_table(queued.settled_buffer, (torch.int64,)).view(-1)
-            # Opened on this drafter's GPU, whose stream waits for it: opened on the verifier's GPU, the
-            # wait crashed the process (torch 2.11, bench/results/session32/README.md). None on a CPU.
-            event = (torch.cuda.Event.from_ipc_handle(self.proposer.device, queued.settled_event)
-                     if queued.settled_event else None)
-            self._settled[stream] = (buffer, event)
+            old = self._settled.pop(stream, None)
+            self._settled[stream] = _SharedOutput(buffer, old.slot if old else None)
+        if queued.settled_slot and stream in self._settled:
+            self._settled[stream].open_slot(queued.settled_slot)
         if stream not in self._settled or stream not in self._tables:
             raise WireError("queued drafts on a stream that offered no sampler buffer or feature table")
-        buffer, event = self._settled[stream]
+        shared = self._settled[stream]
+        buffer, slot = shared.buffer, shared.slot
+        if buffer.is_cuda and slot is None:
+            raise WireError("queued drafts on GPUs need the verifier's slot (settled_slot), none was offered")
+        if slot is not None and queued.sequence <= shared.sequence:
+            raise WireError(f"queued drafts: sequence {queued.sequence} does not follow {shared.sequence}")
         shape = list(queued.settled_shape)
         n, width = shape if len(shape) == 2 else (0, 0)
         if width < 2 or n * width > buffer.numel():
@@ -351,11 +399,14 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
         temperature = [max(w.temperature, 0.0) for w in wants]
         top_k = [min(w.top_k, self.proposer.max_top_k) if t > 0 else 0
                  for w, t in zip(wants, temperature, strict=True)]
-        if event is not None:
-            torch.cuda.current_stream(self.proposer.device).wait_event(event)
+        if slot is not None:
+            shared.sequence = queued.sequence
+            wait_value(slot, queued.sequence, torch.cuda.current_stream(self.proposer.device))
         self.queue_drafts(stream, [w.request_id for w in wants], [w.num_drafts for w in wants], temperature,
                           top_k, buffer[:n * width].view(n, width), list(queued.rows), self._tables[stream],
                           list(queued.feature_cells))
+        if slot is not None:
+            shared.await_number(queued.sequence, self.settle_timeout)
         proposal = self.take_drafts(owned, self.proposer.queued_counts())
         self._split(wants, proposal, temperature, top_k, result)
 

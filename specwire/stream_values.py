@@ -12,10 +12,12 @@ a slot in one GPU's memory mapped by CUDA IPC is refused by the other GPU's stre
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import mmap
 import os
+import secrets
 
 import torch
 
@@ -46,15 +48,23 @@ def _check(result: int, what: str) -> None:
         raise RuntimeError(f"{what} failed: CUDA error {result} ({(text.value or b'?').decode()})")
 
 
+SLOT_DIR, SLOT_PREFIX = "/dev/shm", "specwire-slot-"
+
+
 class HostSlot:
-    """A 64-bit number in host memory shared by this host's processes (the file at `path`, created by one,
-    opened by the others by its path) and mapped for the GPUs of each. value: what the host reads now."""
+    """A 64-bit number in host memory shared by this host's processes (a file under /dev/shm, created by
+    one, opened by the others by its path) and mapped for the GPUs of each. value: what the host reads now."""
 
     SIZE = mmap.PAGESIZE
 
-    def __init__(self, path: str, create: bool = False):
-        self.path = path
-        fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
+    def __init__(self, path: str | None = None):
+        """A new slot (holding 0) when path is None, else the one another process created at `path`."""
+        create = path is None
+        self.path = path = path or f"{SLOT_DIR}/{SLOT_PREFIX}{os.getpid()}-{secrets.token_hex(6)}"
+        if os.path.dirname(path) != SLOT_DIR or not os.path.basename(path).startswith(SLOT_PREFIX):
+            raise ValueError(f"a slot is a file {SLOT_DIR}/{SLOT_PREFIX}*, not {path!r}")
+        flags = os.O_RDWR | os.O_NOFOLLOW | (os.O_CREAT | os.O_EXCL if create else 0)
+        fd = os.open(path, flags, 0o600)
         try:
             if create:
                 os.ftruncate(fd, self.SIZE)
@@ -81,12 +91,15 @@ class HostSlot:
         """Writes from the host (a wait that must end whatever the GPUs do)."""
         self._cell.value = value
 
-    def close(self, unlink: bool = False) -> None:
+    def unlink(self) -> None:
+        """Removes the file (the mappings stay): once every process has mapped it, or never will."""
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+
+    def close(self) -> None:
         _driver().cuMemHostUnregister(ctypes.addressof(self._cell))
         del self._cell
         self._map.close()
-        if unlink:
-            os.unlink(self.path)
 
 
 def write_value(slot: HostSlot, value: int, stream: torch.cuda.Stream) -> None:

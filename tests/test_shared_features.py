@@ -156,8 +156,8 @@ def test_drafts_queued_behind_the_sampler_across_processes_read_what_it_settled(
 
 def test_malformed_queued_drafts_are_refused_and_their_requests_dropped(in_process_mapping, caplog):
     """Queued drafts the drafter cannot serve (no sampler buffer offered, a shape the buffer cannot hold, a
-    row or feature cell out of range) drop their requests with the reason logged, and the drafter serves on:
-    the verifier then sends those requests whole."""
+    row or feature cell out of range, a slot path that is not a slot or not there) drop their requests with
+    the reason logged, and the drafter serves on: the verifier then sends those requests whole."""
     config, sd, head, engine, proposer, handed = recording_drafter("cpu", "cpu", 0, 0)
     service, owned = drafter_service(proposer, config), set()
     width = head.config.feature_dim
@@ -177,6 +177,7 @@ def test_malformed_queued_drafts_are_refused_and_their_requests_dropped(in_proce
         step.queued.settled_shape.extend(fields.get("shape", [1, K + 2]))
         if "buffer" in fields:
             step.queued.settled_buffer.CopyFrom(drafter_link.describe(fields["buffer"]))
+        step.queued.settled_slot = fields.get("slot", "")
         return step
 
     service._tables[0] = torch.zeros(16, width)  # a mapped feature table (the stream offered one)
@@ -184,7 +185,9 @@ def test_malformed_queued_drafts_are_refused_and_their_requests_dropped(in_proce
     for step, reason in [(queued_step(), "offered no sampler buffer"),
                          (queued_step(buffer=buffer, shape=[4, 3]), "does not fit"),
                          (queued_step(buffer=buffer, row=1), "a row past"),
-                         (queued_step(buffer=buffer, shape=[1, 3], cell=16), "a feature cell past")]:
+                         (queued_step(buffer=buffer, shape=[1, 3], cell=16), "a feature cell past"),
+                         (queued_step(buffer=buffer, slot="/etc/passwd"), "cannot map the verifier's slot"),
+                         (queued_step(buffer=buffer, slot="/dev/shm/specwire-slot-gone"), "cannot map")]:
         hold("a")
         caplog.clear()
         result = service.run_step(0, owned, step)

@@ -30,6 +30,7 @@ from specwire import grpc_common, round_trace
 from specwire.metrics import VerifierMetrics
 from specwire.shared_features import describe, device_uuid, host_id
 from specwire.step_socket import FrameError, MessageSocket
+from specwire.stream_values import HostSlot, write_value
 from specwire.v1 import drafter_pb2 as pb
 from specwire.v1 import drafter_pb2_grpc
 
@@ -113,9 +114,9 @@ class LocalDrafterLink(_StepResults):
     anyway; a hand-off to the worker and back cost about 0.1 ms each (bench/round_timeline.py). Tables stay
     on the worker, drafted while the loop launches and collects the verification they are for.
 
-    Serial drafts may also skip the step altogether (`queue_drafts` / `take_drafts`): queued on the device
-    right behind the sampler of the verification that settles their tokens, they are ready when its tokens
-    are read, with no DraftStep built, applied or answered in between."""
+    Serial drafts may also skip the step altogether (`announce_drafts`, `settle_drafts`, `take_drafts`):
+    queued on the device right behind the sampler of the verification that settles their tokens, they are
+    ready when its tokens are read, with no DraftStep built, applied or answered in between."""
 
     def __init__(self, run_step: Callable[[pb.DraftStep, dict[str, torch.Tensor]], pb.DraftResult],
                  info: pb.DrafterInfo, mismatch: Callable[[pb.HandshakeRequest], str],
@@ -142,6 +143,7 @@ class LocalDrafterLink(_StepResults):
         self.info: pb.DrafterInfo | None = None
         self.last_error = ""
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="drafter-colocated")
+        self._announced: tuple | None = None  # announce_drafts' arguments, until settle_drafts
         self._in_flight = 0
         self._next_step = 1
 
@@ -190,16 +192,24 @@ class LocalDrafterLink(_StepResults):
         return future
 
     def can_queue(self) -> bool:
-        """queue_drafts may run now: no step is on the drafter's worker."""
+        """announce_drafts may run now: no step is on the drafter's worker."""
         return self.queues_drafts and self.connected and self._in_flight == 0
 
-    def queue_drafts(self, request_ids: list[str], wants: list[Want], settled: torch.Tensor, rows: list[int],
-                     features: torch.Tensor, feature_cells: list[int]) -> bool:
-        """Queues the next drafts of these requests behind the sampler whose packed output is `settled`
-        (rows[b]: request b's row; features: flat rows on feature_device, feature_cells[b * (max_num_drafts
-        + 1) + j]: the row of the feature before request b's j-th settled token). Every request must be held
-        by the drafter with its last tokens drafted from. False if the drafter refused: it then holds these
-        requests in an unknown state, and they must be re-sent whole."""
+    def announce_drafts(self, request_ids: list[str], wants: list[Want], rows: list[int],
+                        features: torch.Tensor, feature_cells: list[int], settled_shape: tuple[int, int]
+                        ) -> bool:
+        """The next drafts of these requests are to be queued behind the sampler about to be launched, whose
+        packed output [N, W] = settled_shape settle_drafts then hands over (rows[b]: request b's row;
+        features: flat rows on feature_device, feature_cells[b * (max_num_drafts + 1) + j]: the row of the
+        feature before request b's j-th settled token). Every request must be held by the drafter with its
+        last tokens drafted from. In process, the drafting is queued by settle_drafts."""
+        self._announced = (request_ids, wants, rows, features, feature_cells)
+        return True
+
+    def settle_drafts(self, settled: torch.Tensor) -> bool:
+        """Queues the announced drafting behind the sampler whose packed output is `settled`. False if the
+        drafter refused: it then holds these requests in an unknown state, and they must be re-sent whole."""
+        (request_ids, wants, rows, features, feature_cells), self._announced = self._announced, None
         try:
             self._queue(request_ids, [w.num_drafts for w in wants], [w.temperature for w in wants],
                         [w.top_k for w in wants], settled, rows, features, feature_cells)
@@ -210,7 +220,7 @@ class LocalDrafterLink(_StepResults):
 
     def take_drafts(self, request_ids: list[str], wants: list[Want], counts: list[int]
                     ) -> QueuedDrafts | None:
-        """The drafts queue_drafts queued, once the host has read how many tokens each request settled; their
+        """The drafts settle_drafts queued, once the host has read how many tokens each request settled; their
         ids stay on the drafter's device, not waited for. None when they are lost: these requests must be
         re-sent whole."""
         try:
@@ -223,6 +233,9 @@ class LocalDrafterLink(_StepResults):
     def drop_drafts(self) -> None:
         """The verification the queued drafts follow lost its result: the drafter frees their requests
         (the verifier re-sends them whole) and keeps no drafts."""
+        if self._announced is not None:  # never queued
+            self._announced = None
+            return
         try:
             self._take(None)
         except Exception as e:
@@ -313,10 +326,11 @@ def _drafts_by_request(request_ids: list[str], wants: list[Want], proposal: Prop
 class DrafterLink(_StepResults):
     """Sends DraftSteps and hands back their DraftResults, or None when the drafter cannot answer in time.
 
-    A drafter on this host that maps the feature table may also draft behind the sampler (`queue_drafts`):
-    the serial step goes out as the verification is launched, naming the sampler's output (copied into a
-    buffer it maps) instead of the tokens, and the drafter's GPU waits for an interprocess event recorded
-    after that copy. Its host work then overlaps the verification instead of following it."""
+    A drafter on this host that maps the feature table may also draft behind the sampler (`announce_drafts`,
+    `settle_drafts`): the serial step goes out while the target's forward runs, naming the sampler's output
+    (copied into a buffer it maps) instead of the tokens, and the drafter's GPU waits until the verifier's
+    GPU writes the step's number into a slot of shared host memory after that copy (stream_values). Its
+    host work then overlaps the verification instead of following it."""
 
     def __init__(
         self, target: str, metrics: VerifierMetrics,
@@ -338,14 +352,19 @@ class DrafterLink(_StepResults):
         self.share_refused = ""  # why a drafter could not map the table: bytes from then on
         self._table: torch.Tensor | None = None  # the owner's feature table [rows, width]
         self._offered = False  # whether this stream's first step offered it
-        self._settled: torch.Tensor | None = None  # the sampler outputs queue_drafts shares, int64 [n, 1]
-        self._settled_event: torch.cuda.Event | None = None  # recorded after each copy into it
+        self._settled: torch.Tensor | None = None  # the sampler outputs settle_drafts shares, int64 [n, 1]
         self._settled_offered = False  # whether this stream has been offered them
-        self._queued: tuple[asyncio.Future, list[str], list[Want]] | None = None  # queue_drafts' step
+        self._slot: HostSlot | None = None  # on GPUs: the verifier's GPU writes each settled step's number
+        self._slot_stream = 0  # the stream (epoch) it was made for
+        self._slot_offered = False  # whether this stream has been offered it
+        self._sequence = 0  # the number of the last queued step on the slot
+        self._shape = (0, 0)  # the sampler output's, as announced
+        self._announced: tuple[pb.DraftStep, list[str], list[Want]] | None = None  # a CPU's, until settled
+        self._queued: tuple[asyncio.Future, list[str], list[Want]] | None = None  # the queued step sent
         # Queued only when asked (--queue-drafts on): not yet measured on GPUs (bench/results/session32/)
         self.queues_on_auto = False
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._loop_thread = 0  # the loop's thread (start): queue_drafts from another one hands the send to it
+        self._loop_thread = 0  # the loop's thread (start): settle_drafts on another hands the send to it
         self.channel_options = channel_options or grpc_common.ChannelOptions()
         self.max_step_bytes = step_feature_bytes(self.channel_options.max_message_bytes, 0)
         self.handshake = pb.HandshakeRequest()
@@ -379,6 +398,7 @@ class DrafterLink(_StepResults):
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
+        self._close_slot()
 
     # ------------------------------------------------------------------------------------------ steps
 
@@ -404,61 +424,101 @@ class DrafterLink(_StepResults):
     def can_queue(self) -> bool:
         return self.queues_drafts and self._queued is None and self.can_send()
 
-    def queue_drafts(self, request_ids: list[str], wants: list[Want], settled: torch.Tensor, rows: list[int],
-                     features: torch.Tensor, feature_cells: list[int]) -> bool:
-        """As LocalDrafterLink.queue_drafts, for a drafter in another process on this host (called on the
-        loop, right after the sampler is queued): `features` must be the shared table. False when the step
-        could not be sent."""
+    def announce_drafts(self, request_ids: list[str], wants: list[Want], rows: list[int],
+                        features: torch.Tensor, feature_cells: list[int], settled_shape: tuple[int, int]
+                        ) -> bool:
+        """As LocalDrafterLink.announce_drafts, for a drafter in another process on this host (called on
+        the loop, or on a CPU verifier's worker thread): `features` must be the shared table. On a GPU the
+        step goes out now, so the drafter queues its work while the sampler is still being launched; its GPU
+        waits for settle_drafts' number in the slot. False when the step could not be sent."""
         if features.data_ptr() != self._table.data_ptr():
             raise ValueError("queued drafts read the shared feature table only")
-        n, width = settled.shape
+        n, width = self._shape = settled_shape
         step = pb.DraftStep()
         queued = step.queued
         if self._settled is None or self._settled.numel() < n * width:
             grown = max(n * width, 2 * (self._settled.numel() if self._settled is not None else 0))
-            self._settled = torch.empty(grown, 1, dtype=torch.int64, device=settled.device)
-            if settled.is_cuda and self._settled_event is None:
-                self._settled_event = torch.cuda.Event(interprocess=True)
+            # zeros: a drafter released without a settle (drop_drafts) reads only tokens a sampler wrote, or 0
+            self._settled = torch.zeros(grown, 1, dtype=torch.int64, device=features.device)
             self._settled_offered = False
-        self._settled.view(-1)[:n * width].view(n, width).copy_(settled)  # behind the sampler
-        if self._settled_event is not None:  # (on a CPU the copy is done when it returns)
-            # on the stream of the buffer's device, whatever device is current on this thread
-            self._settled_event.record(torch.cuda.current_stream(settled.device))
         if not self._settled_offered:
             queued.settled_buffer.CopyFrom(describe(self._settled))
-            if self._settled_event is not None:
-                queued.settled_event = bytes(self._settled_event.ipc_handle())
+        if features.is_cuda and not self._slot_offered:
+            if self._slot is None or self._slot_stream != self.epoch:  # the drafter unlinks it once mapped
+                self._new_slot()
+            queued.settled_slot = self._slot.path
         for rid, want in zip(request_ids, wants, strict=True):
             queued.wants.add(request_id=rid, num_drafts=want.num_drafts, temperature=want.temperature,
                              top_k=want.top_k)
         queued.rows.extend(rows)
         queued.feature_cells.extend(feature_cells)
         queued.settled_shape.extend([n, width])
+        if self._slot is None:  # a CPU verifier: the step goes once the copy is done (settle_drafts)
+            self._announced = (step, request_ids, wants)
+            return True
+        queued.sequence = self._sequence + 1
+        if not self._send_queued(step, request_ids, wants):
+            return False
+        self._sequence += 1
+        return True
+
+    def settle_drafts(self, settled: torch.Tensor) -> bool:
+        """The sampler whose output `settled` holds the announced requests' tokens has been queued: its
+        output goes into the shared buffer behind it, then the step's number into the slot (on a GPU), or
+        the step goes out (on a CPU, where the copy is done when it returns). False when nothing was sent."""
+        if tuple(settled.shape) != self._shape:
+            raise ValueError(f"the sampler's output is {tuple(settled.shape)}, announced as {self._shape}")
+        n, width = self._shape
+        self._settled.view(-1)[:n * width].view(n, width).copy_(settled)  # behind the sampler
+        if self._slot is not None:
+            write_value(self._slot, self._sequence, torch.cuda.current_stream(settled.device))
+            return self._queued is not None
+        (step, request_ids, wants), self._announced = self._announced, None
         if threading.get_ident() == self._loop_thread:
-            future = self.send(step, {})
-        else:  # a CPU verifier verifies on its worker thread: the loop sends
-            future = asyncio.run_coroutine_threadsafe(self._send_soon(step), self._loop).result(5.0)
+            return self._send_queued(step, request_ids, wants)
+        # a CPU verifier verifies on its worker thread: the loop sends
+        sent = asyncio.run_coroutine_threadsafe(self._send_soon(step, request_ids, wants), self._loop)
+        return sent.result(5.0)
+
+    def _send_queued(self, step: pb.DraftStep, request_ids: list[str], wants: list[Want]) -> bool:
+        future = self.send(step, {})
         if future is None:
             return False
         self._settled_offered = True
+        self._slot_offered = self._slot is not None
         self._queued = (future, request_ids, wants)
         return True
 
-    async def _send_soon(self, step: pb.DraftStep) -> asyncio.Future | None:
-        return self.send(step, {})
+    def _new_slot(self) -> None:
+        """One slot a stream, numbered from 1."""
+        self._close_slot()
+        self._slot, self._slot_stream, self._sequence = HostSlot(), self.epoch, 0
+
+    def _close_slot(self) -> None:
+        if self._slot is not None:
+            torch.cuda.synchronize(self.feature_device)  # no write into it is left queued
+            self._slot.unlink()
+            self._slot.close()
+            self._slot = None
+
+    async def _send_soon(self, step: pb.DraftStep, request_ids: list[str], wants: list[Want]) -> bool:
+        return self._send_queued(step, request_ids, wants)
 
     def take_drafts(self, request_ids: list[str], wants: list[Want], counts: list[int]) -> QueuedDrafts:
-        """The drafts queue_drafts asked for, to be awaited (QueuedDrafts.arrive) before they are used."""
+        """The drafts announce_drafts asked for, to be awaited (QueuedDrafts.arrive) before they are used."""
         (future, ids, asked), self._queued = self._queued, None
         if ids != request_ids:
-            raise ValueError("take_drafts for other requests than queue_drafts queued")
+            raise ValueError("take_drafts for other requests than announce_drafts queued")
         return QueuedDrafts(request_ids, asked, None, answer=lambda: self.result(future),
                             vocab_size=self.handshake.vocab_size)
 
     def drop_drafts(self) -> None:
         """The verification lost its result: its queued step is left unread (the scheduler re-sends those
-        requests whole)."""
-        self._queued = None
+        requests whole), and a drafter whose GPU waits for its number is released from the host (it then
+        reads an earlier sampler's output, or zeros, and its answer is not read)."""
+        self._queued = self._announced = None
+        if self._slot is not None:
+            self._slot.set(self._sequence)
 
     def share(self, table: torch.Tensor) -> None:
         """The owner's feature table [rows, width] (a CUDA tensor at the start of its storage, kept alive by
@@ -529,7 +589,7 @@ class DrafterLink(_StepResults):
                   and response.drafter.shared_features_host == host_id()
                   and device_uuid(self.share_from) in response.drafter.shared_features_gpus)
         self.feature_device, self._offered = (self.share_from if shares else None), False
-        self._settled_offered = False
+        self._settled_offered = self._slot_offered = False
         self.check_info(response.drafter)
         self.info = response.drafter
         self.max_step_bytes = float("inf") if shares else step_feature_bytes(

@@ -174,20 +174,24 @@ class DraftStep(_message.Message):
     def __init__(self, step_id: _Optional[int] = ..., updates: _Optional[_Iterable[_Union[RequestUpdate, _Mapping]]] = ..., wants: _Optional[_Iterable[_Union[DraftWant, _Mapping]]] = ..., shared_features: _Optional[_Union[SharedFeatures, _Mapping]] = ..., queued: _Optional[_Union[QueuedDrafts, _Mapping]] = ...) -> None: ...
 
 class QueuedDrafts(_message.Message):
-    __slots__ = ("wants", "rows", "feature_cells", "settled_shape", "settled_buffer", "settled_event")
+    __slots__ = ("wants", "rows", "feature_cells", "settled_shape", "settled_buffer", "settled_event", "settled_slot", "sequence")
     WANTS_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
     FEATURE_CELLS_FIELD_NUMBER: _ClassVar[int]
     SETTLED_SHAPE_FIELD_NUMBER: _ClassVar[int]
     SETTLED_BUFFER_FIELD_NUMBER: _ClassVar[int]
     SETTLED_EVENT_FIELD_NUMBER: _ClassVar[int]
+    SETTLED_SLOT_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     wants: _containers.RepeatedCompositeFieldContainer[DraftWant]
     rows: _containers.RepeatedScalarFieldContainer[int]
     feature_cells: _containers.RepeatedScalarFieldContainer[int]
     settled_shape: _containers.RepeatedScalarFieldContainer[int]
     settled_buffer: SharedFeatures
     settled_event: bytes
-    def __init__(self, wants: _Optional[_Iterable[_Union[DraftWant, _Mapping]]] = ..., rows: _Optional[_Iterable[int]] = ..., feature_cells: _Optional[_Iterable[int]] = ..., settled_shape: _Optional[_Iterable[int]] = ..., settled_buffer: _Optional[_Union[SharedFeatures, _Mapping]] = ..., settled_event: _Optional[bytes] = ...) -> None: ...
+    settled_slot: str
+    sequence: int
+    def __init__(self, wants: _Optional[_Iterable[_Union[DraftWant, _Mapping]]] = ..., rows: _Optional[_Iterable[int]] = ..., feature_cells: _Optional[_Iterable[int]] = ..., settled_shape: _Optional[_Iterable[int]] = ..., settled_buffer: _Optional[_Union[SharedFeatures, _Mapping]] = ..., settled_event: _Optional[bytes] = ..., settled_slot: _Optional[str] = ..., sequence: _Optional[int] = ...) -> None: ...
 
 class SharedFeatures(_message.Message):
     __slots__ = ("device_uuid", "memory_handle", "storage_size_bytes", "storage_offset_bytes", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required", "shape", "dtype")
