@@ -64,6 +64,13 @@ class MessageSocket:
             raise FrameError(f"undecodable {message_type.__name__} ({size} bytes): {e}") from None
 
     async def write(self, message: Message) -> None:
+        self.write_now(message)
+        if self._writer.transport.get_write_buffer_size() > _HIGH_WATER:
+            await self._writer.drain()  # the reader is slow: wait rather than buffer without bound
+
+    def write_now(self, message: Message) -> None:
+        """As write, for a caller on the loop that cannot wait: the socket takes the message at once (it is
+        buffered only while the reader is slow; such a caller bounds how many it sends)."""
         if self._writer.is_closing():  # the other end left (uvloop would raise RuntimeError, not OSError)
             raise ConnectionResetError("the step socket is closed")
         data = message.SerializeToString()
@@ -71,8 +78,6 @@ class MessageSocket:
             raise FrameError(f"a {len(data)}-byte {type(message).__name__} is over the {self.max_bytes}-byte "
                              "limit")
         self._writer.writelines((_HEADER.pack(len(data)), data))
-        if self._writer.transport.get_write_buffer_size() > _HIGH_WATER:
-            await self._writer.drain()  # the reader is slow: wait rather than buffer without bound
 
     def close(self) -> None:
         """Ends the stream: a read waiting here or at the other end then sees its end."""
