@@ -82,9 +82,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --cache-branches 0: queue each round's next drafts on the drafter's "
                              "device right behind its sampler, with no return to the host in between: "
                              "--colocated without a DraftStep; a drafter in another process on this host "
-                             "that maps the features by a step sent as the verification starts, its GPU "
-                             "waiting for an interprocess event (default auto: on for a co-located CUDA "
-                             "drafter; another process's only with on, not yet measured on GPUs)")
+                             "that maps the features by a step sent while the target's forward runs, its GPU "
+                             "waiting for a number the verifier's GPU writes into shared memory after the "
+                             "sampler (default auto: on for a CUDA drafter co-located or on the step socket "
+                             "of --drafter-socket; over gRPC only with on)")
     parser.add_argument("--stream-interval", type=int, default=env("SPECWIRE_STREAM_INTERVAL", 1),
                         metavar="TOKENS",
                         help="tokens a stream's chunk gathers before it is sent; a request's first token and "

@@ -361,8 +361,10 @@ class DrafterLink(_StepResults):
         self._shape = (0, 0)  # the sampler output's, as announced
         self._announced: tuple[pb.DraftStep, list[str], list[Want]] | None = None  # a CPU's, until settled
         self._queued: tuple[asyncio.Future, list[str], list[Want]] | None = None  # the queued step sent
-        # Queued only when asked (--queue-drafts on): not yet measured on GPUs (bench/results/session32/)
-        self.queues_on_auto = False
+        # Queued by default over the step socket (serial drafting, SmolLM2 on two H200s: 1.38x-1.40x of
+        # target-only at batch 1 against 0.99x-1.08x unqueued, bench/results/session33/); over gRPC, whose
+        # writes wait for the loop, only when asked (--queue-drafts on): not measured there
+        self.queues_on_auto = socket_path is not None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread = 0  # the loop's thread (start): settle_drafts on another hands the send to it
         self.channel_options = channel_options or grpc_common.ChannelOptions()
