@@ -117,7 +117,7 @@ class _SharedOutput:
             if time.monotonic() > deadline:
                 self.slot.set(sequence)
                 raise WireError(f"queued drafts: the verifier's sampler did not settle step {sequence} in "
-                                f"{timeout:.0f} s")
+                                f"{timeout:g} s")
             time.sleep(20e-6)
 
     def close(self, device: torch.device) -> None:

@@ -74,14 +74,21 @@ class HostSlot:
         finally:
             os.close(fd)
         self._cell = ctypes.c_uint64.from_buffer(self._map)
-        host = ctypes.addressof(self._cell)
-        torch.cuda.init()  # a current context for the driver's calls
-        driver, device = _driver(), ctypes.c_uint64()
-        _check(driver.cuMemHostRegister_v2(host, self.SIZE, _REGISTER_PORTABLE_DEVICEMAP),
-               "cuMemHostRegister")
-        _check(driver.cuMemHostGetDevicePointer_v2(ctypes.byref(device), host, 0),
-               "cuMemHostGetDevicePointer")
-        self.address = device.value
+        self._address: int | None = None
+
+    @property
+    def address(self) -> int:
+        """The slot's address for the GPUs' stream operations (registered with CUDA on first use)."""
+        if self._address is None:
+            host = ctypes.addressof(self._cell)
+            torch.cuda.init()  # a current context for the driver's calls
+            driver, device = _driver(), ctypes.c_uint64()
+            _check(driver.cuMemHostRegister_v2(host, self.SIZE, _REGISTER_PORTABLE_DEVICEMAP),
+                   "cuMemHostRegister")
+            _check(driver.cuMemHostGetDevicePointer_v2(ctypes.byref(device), host, 0),
+                   "cuMemHostGetDevicePointer")
+            self._address = device.value
+        return self._address
 
     @property
     def value(self) -> int:
@@ -97,7 +104,8 @@ class HostSlot:
             os.unlink(self.path)
 
     def close(self) -> None:
-        _driver().cuMemHostUnregister(ctypes.addressof(self._cell))
+        if self._address is not None:
+            _driver().cuMemHostUnregister(ctypes.addressof(self._cell))
         del self._cell
         self._map.close()
 

@@ -216,13 +216,18 @@ def test_message_socket_frames_and_refusals(tmp_path):
 
         server = await serve(path, echo)
         link = await MessageSocket.connect(path, dpb.DraftResult, MAX_BYTES)
-        for i in range(1, 50):
+        for i in range(1, 50):  # written at once (write_now, as the verifier's link does when nothing waits)
             step = dpb.DraftStep(step_id=i, wants=[dpb.DraftWant(request_id=str(j)) for j in range(i % 5)])
-            await link.write(step)
+            if i % 2:
+                link.write_now(step)
+            else:
+                await link.write(step)
         answers = [await link.read() for _ in range(1, 50)]
         assert [(a.step_id, a.error) for a in answers] == [(i, str(i % 5)) for i in range(1, 50)]
         with pytest.raises(FrameError, match="over the 65536-byte limit"):
             await link.write(dpb.DraftStep(updates=[dpb.RequestUpdate(request_id="x" * MAX_BYTES)]))
+        with pytest.raises(FrameError, match="over the 65536-byte limit"):
+            link.write_now(dpb.DraftStep(updates=[dpb.RequestUpdate(request_id="x" * MAX_BYTES)]))
         link.close()
         with pytest.raises(ConnectionResetError, match="the step socket is closed"):
             await link.write(dpb.DraftStep(step_id=1))

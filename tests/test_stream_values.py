@@ -1,0 +1,76 @@
+"""The shared slot a drafter's GPU waits on (specwire/stream_values.py), on its host side: the file both
+processes map, what either writes the other reads, the paths it refuses, and the drafter's bounded wait for a
+verifier that never writes it. (The GPUs' side, the stream operations, runs in the GPU test of queued drafts
+across processes, tests/test_shared_features.py.)"""
+
+import multiprocessing as mp
+import os
+import time
+
+import pytest
+from specwire.drafter.server import _SharedOutput
+
+from specwire.stream_values import SLOT_DIR, HostSlot
+from specwire.wire import WireError
+
+
+def _write_from_another_process(path: str, value: int) -> None:
+    slot = HostSlot(path)
+    slot.set(value)
+    slot.close()
+
+
+def test_a_slot_is_shared_with_another_process_by_its_path():
+    slot = HostSlot()
+    try:
+        assert os.path.dirname(slot.path) == SLOT_DIR and slot.value == 0
+        writer = mp.get_context("spawn").Process(target=_write_from_another_process, args=(slot.path, 41))
+        writer.start()
+        writer.join(60)
+        assert writer.exitcode == 0 and slot.value == 41
+        slot.set(2**64 - 1)  # the whole unsigned range: a released wait
+        assert HostSlot(slot.path).value == 2**64 - 1
+    finally:
+        slot.unlink()
+        slot.close()
+    assert not os.path.exists(slot.path)
+    slot.unlink()  # twice is fine: either process may have done it
+
+
+@pytest.mark.parametrize("path, error", [
+    ("/etc/passwd", "a slot is a file /dev/shm/specwire-slot-"),
+    ("/dev/shm/../etc/specwire-slot-x", "a slot is a file"),
+    ("/dev/shm/other-file", "a slot is a file"),
+])
+def test_a_path_that_is_not_a_slot_is_refused_before_it_is_opened(path, error):
+    with pytest.raises(ValueError, match=error):
+        HostSlot(path)
+
+
+def test_a_missing_or_short_slot_file_is_refused(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        HostSlot(f"{SLOT_DIR}/specwire-slot-never-made")
+    short = f"{SLOT_DIR}/specwire-slot-test-short-{os.getpid()}"
+    with open(short, "wb") as f:
+        f.write(b"\0" * 8)
+    try:
+        with pytest.raises(ValueError, match="is not a slot"):
+            HostSlot(short)
+    finally:
+        os.unlink(short)
+
+
+def test_the_drafter_waits_for_the_number_then_gives_up_and_releases_its_gpu():
+    slot = HostSlot()
+    try:
+        shared = _SharedOutput(buffer=None, slot=slot)
+        slot.set(3)
+        started = time.monotonic()
+        shared.await_number(3, timeout=5.0)  # written already: no wait
+        assert time.monotonic() - started < 1.0
+        with pytest.raises(WireError, match="did not settle step 4 in 0.2 s"):
+            shared.await_number(4, timeout=0.2)
+        assert slot.value == 4, "the drafter's own GPU, waiting for 4, must be released"
+    finally:
+        slot.unlink()
+        slot.close()
