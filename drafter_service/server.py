@@ -381,8 +381,10 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
             raise WireError("queued drafts on a stream that offered no sampler buffer or feature table")
         shared = self._settled[stream]
         buffer, slot = shared.buffer, shared.slot
-        if buffer.is_cuda and slot is None:
-            raise WireError("queued drafts on GPUs need the verifier's slot (settled_slot), none was offered")
+        if buffer.is_cuda != (slot is not None):
+            raise WireError("queued drafts on GPUs need the verifier's slot (settled_slot), and a sampler "
+                            f"buffer in host memory none: a {buffer.device.type} buffer, "
+                            f"{'a' if slot else 'no'} slot")
         if slot is not None and queued.sequence <= shared.sequence:
             raise WireError(f"queued drafts: sequence {queued.sequence} does not follow {shared.sequence}")
         shape = list(queued.settled_shape)

@@ -11,6 +11,7 @@ by another process, which reads the same rows and copies them to another GPU, as
 
 import asyncio
 import contextlib
+import os
 import socket
 import subprocess
 import sys
@@ -37,6 +38,7 @@ from specwire import grpc_common
 from specwire.metrics import DrafterMetrics, VerifierMetrics
 from specwire.sampling_params import SamplingParams
 from specwire.shared_features import describe, host_id, open_table
+from specwire.stream_values import HostSlot
 from specwire.synthetic import synthetic_tokenizer
 from specwire.v1 import drafter_pb2 as pb
 from specwire.v1 import drafter_pb2_grpc
@@ -182,12 +184,14 @@ def test_malformed_queued_drafts_are_refused_and_their_requests_dropped(in_proce
 
     service._tables[0] = torch.zeros(16, width)  # a mapped feature table (the stream offered one)
     buffer = torch.zeros(8, 1, dtype=torch.int64)
+    slot = HostSlot()  # a real slot, offered with a sampler buffer in host memory: nothing waits on it there
     for step, reason in [(queued_step(), "offered no sampler buffer"),
                          (queued_step(buffer=buffer, shape=[4, 3]), "does not fit"),
                          (queued_step(buffer=buffer, row=1), "a row past"),
                          (queued_step(buffer=buffer, shape=[1, 3], cell=16), "a feature cell past"),
                          (queued_step(buffer=buffer, slot="/etc/passwd"), "cannot map the verifier's slot"),
-                         (queued_step(buffer=buffer, slot="/dev/shm/specwire-slot-gone"), "cannot map")]:
+                         (queued_step(buffer=buffer, slot="/dev/shm/specwire-slot-gone"), "cannot map"),
+                         (queued_step(buffer=buffer, slot=slot.path), "a cpu buffer, a slot")]:
         hold("a")
         caplog.clear()
         result = service.run_step(0, owned, step)
@@ -195,6 +199,8 @@ def test_malformed_queued_drafts_are_refused_and_their_requests_dropped(in_proce
         assert reason in next(r.reason for r in caplog.records if r.msg == "queued drafts refused")
     hold("a")  # and it serves on
     assert "0/a" in service._known
+    assert not os.path.exists(slot.path), "the drafter unlinks a slot it mapped"
+    slot.close()
 
 
 class BrokenOnQueuedDrafter(drafter_server.DrafterService):
