@@ -23,7 +23,7 @@ import pytest
 import torch
 from specwire.drafter.proposer import EagleProposer
 from specwire.drafter.server import DrafterService
-from specwire.verifier.drafter_link import LocalDrafterLink
+from specwire.verifier.drafter_link import DrafterLink, LocalDrafterLink
 from specwire.verifier.scheduler import Scheduler, SchedulerConfig
 from test_rejection_sampler import _fits
 from test_services_e2e import bigram_head, record_whole_batches
@@ -59,8 +59,8 @@ def small_target() -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     return config, sd
 
 
-async def sample_many(engine: TargetEngine, link: LocalDrafterLink, metrics: VerifierMetrics, queued: bool
-                      ) -> list[list[int]]:
+async def sample_many(engine: TargetEngine, link: LocalDrafterLink | DrafterLink, metrics: VerifierMetrics,
+                      queued: bool) -> list[list[int]]:
     """queued: serial drafting, each round's drafts queued behind the last sampler, the requests sent in
     waves of WAVE (a round can take the queued drafts whole only when its rows are the last round's); else
     tables, every request at once."""
@@ -93,6 +93,19 @@ def target_probs(engine: TargetEngine, context: list[int]) -> torch.Tensor:
         engine.free_slot(slot)
 
 
+def bigram_drafter_and_target(device: str) -> tuple[TargetEngine, EagleProposer, DrafterService]:
+    """The small target on `device`, and a drafter service holding the bigram head beside it."""
+    config, sd = small_target()
+    engine = TargetEngine(checkpoint=(config, sd), device=device, dtype=torch.float32, max_slots=32,
+                          max_context=64, max_verify_tokens=K + 1)
+    head = bigram_head(config, sd, device, max_positions=64)
+    proposer = EagleProposer(head, max_requests=32, max_context=64, max_drafts=K, max_top_k=8,
+                             max_branches=BRANCHES)
+    service = DrafterService(DrafterMetrics())
+    service.load(proposer, config, load_tokenizer(default_model_path()).fingerprint, "eagle1:bigram")
+    return engine, proposer, service
+
+
 ON_CUDA = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
@@ -104,15 +117,7 @@ def test_sampled_tokens_after_table_lookups_follow_the_target(monkeypatch, queue
     its top-K q where the drafter left it (QueuedDrafts.as_batch), the others split it per request; on CUDA
     under CUDA graphs and the Triton sampler."""
     calls = record_whole_batches(monkeypatch)
-    config, sd = small_target()
-    engine = TargetEngine(checkpoint=(config, sd), device=device, dtype=torch.float32, max_slots=32,
-                          max_context=64, max_verify_tokens=K + 1)
-    head = bigram_head(config, sd, device, max_positions=64)
-    proposer = EagleProposer(head, max_requests=32, max_context=64, max_drafts=K, max_top_k=8,
-                             max_branches=BRANCHES)
-    service = DrafterService(DrafterMetrics())
-    tokenizer = load_tokenizer(default_model_path())
-    service.load(proposer, config, tokenizer.fingerprint, "eagle1:bigram")
+    engine, proposer, service = bigram_drafter_and_target(device)
     metrics = VerifierMetrics()
     owned: set[str] = set()
     link = LocalDrafterLink(functools.partial(service.run_step, 0, owned), service.info, service.mismatch,
@@ -129,6 +134,13 @@ def test_sampled_tokens_after_table_lookups_follow_the_target(monkeypatch, queue
         hits, misses = (metrics.cache[r]._value.get() for r in ("hit", "miss"))
         assert hits > 1000 and misses > 100, (hits, misses)
         assert metrics.just_in_time["drafted"]._value.get() > 100
+    assert_follows_the_target(engine, metrics, outputs)
+
+
+def assert_follows_the_target(engine: TargetEngine, metrics: VerifierMetrics, outputs: list[list[int]]
+                              ) -> None:
+    """Drafts were accepted and rejected, and each of tokens three to six, after its most common prefix,
+    follows the target's softmax (chi-square)."""
     assert metrics.num_draft_tokens._value.get() > metrics.num_accepted_tokens._value.get() > 0
     for position in (2, 3, 4, 5):  # tokens from rounds that followed a lookup
         prefixes = Counter(tuple(o[:position]) for o in outputs)

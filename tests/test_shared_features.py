@@ -24,6 +24,7 @@ from specwire.drafter import server as drafter_server
 from specwire.verifier import drafter_link
 from specwire.verifier.drafter_link import DrafterLink
 from specwire.verifier.scheduler import Scheduler, SchedulerConfig
+from test_cache_statistics import assert_follows_the_target, bigram_drafter_and_target, sample_many
 from test_colocated_features import (
     MAX_TOKENS,
     SLOTS,
@@ -154,6 +155,26 @@ def test_drafts_queued_behind_the_sampler_across_processes_read_what_it_settled(
     says_it_maps(plain)
     reference, _ = asyncio.run(generate_over_grpc(plain, engine2, 0, VerifierMetrics()))[1]
     assert outputs == reference
+
+
+def test_sampled_tokens_through_drafts_queued_across_processes_follow_the_target(in_process_mapping):
+    """test_cache_statistics' check with the drafter behind the real gRPC link, its serial drafts queued
+    behind each sampler (DraftStep.queued): their q comes back in the drafter's answer, not as the proposal
+    the drafter left on a shared device. With that q cubed (renormalised) in the drafter's queued answers
+    only, position 4 failed (2026-11-27)."""
+    engine, proposer, service = bigram_drafter_and_target("cpu")
+    says_it_maps(service)
+    service.info.queues_drafts = True
+    metrics = VerifierMetrics()
+
+    async def run() -> list[list[int]]:
+        async with serving(service) as target:
+            link = DrafterLink(target, metrics, step_timeout=5.0, share_from=engine.device)
+            return await sample_many(engine, link, metrics, queued=True)
+
+    outputs = asyncio.run(run())
+    assert metrics.queued_drafts._value.get() > 1000
+    assert_follows_the_target(engine, metrics, outputs)
 
 
 def test_malformed_queued_drafts_are_refused_and_their_requests_dropped(in_process_mapping, caplog):
