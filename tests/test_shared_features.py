@@ -15,6 +15,7 @@ import os
 import socket
 import subprocess
 import sys
+from collections import Counter
 
 import grpc
 import numpy as np
@@ -254,6 +255,45 @@ def test_queued_drafts_whose_answer_is_lost_cost_no_request(in_process_mapping):
     assert resent == set(range(len(outputs))), "every live request is sent whole on the new stream"
     assert_handed_the_target_features(handed, outputs, config, sd, head, "cpu", stream=1, only=resent,
                                       max_tokens=LONG)
+
+
+class RefusingOnceQueuedDrafter(drafter_server.DrafterService):
+    """Refuses its 3rd step of queued drafts as it would a stalled verifier's (its requests dropped, the
+    stream kept); records that step's requests and how often each request is added."""
+
+    queued_steps = 0
+    refused: list[str] = []
+    added: Counter
+
+    def _draft_queued(self, stream, owned, queued, result):
+        self.queued_steps += 1
+        if self.queued_steps == 3:
+            self.refused = [w.request_id for w in queued.wants]
+            raise WireError("queued drafts: the verifier's sampler did not settle step 3 in 10 s")
+        super()._draft_queued(stream, owned, queued, result)
+
+    def load(self, proposer, *args):
+        super().load(proposer, *args)
+        self.added, add = Counter(), proposer.add
+        proposer.add = lambda key, *rest: (self.added.update([key]), add(key, *rest))[1]
+
+
+def test_requests_of_a_refused_queued_step_are_sent_whole_next_step(in_process_mapping):
+    """A queued step the drafter refuses (dropping its requests) costs those requests that round's drafts:
+    the verifier's next step sends them whole, not as tokens to append to what the drafter no longer holds,
+    and every other request is handed the target's features of every token."""
+    config, sd, head, engine, proposer, handed = recording_drafter("cpu", "cpu", 0, 0)
+    service = RefusingOnceQueuedDrafter(DrafterMetrics())
+    service.load(proposer, config, synthetic_tokenizer(config).fingerprint, "eagle3:random")
+    says_it_maps(service)
+    service.info.queues_drafts = True
+    link, (outputs, _) = asyncio.run(generate_over_grpc(service, engine, 0, VerifierMetrics(), LONG, True))
+    assert link.epoch == 1 and service.queued_steps > 6 and service.refused
+    unknown = service.metrics.bad_payloads.labels(reason="unknown_request")._value.get()
+    assert unknown == 0, f"{unknown} updates for requests the drafter had dropped"
+    assert all(service.added[f"0/{rid}"] == 2 for rid in service.refused), service.added
+    others = {i for i in range(len(outputs)) if str(i) not in service.refused}
+    assert_handed_the_target_features(handed, outputs, config, sd, head, "cpu", only=others, max_tokens=LONG)
 
 
 class OnceBrokenDrafter(drafter_server.DrafterService):

@@ -847,15 +847,15 @@ class Scheduler:
 
     async def _queued_arrived(self) -> None:
         """Waits for the drafts queued behind the last sampler where they come as an answer (a drafter in
-        another process); if it never comes, their requests are sent whole next step."""
+        another process); if it never comes, their requests are sent whole next step, as are those the
+        drafter dropped."""
         queued = self._queued_drafts
         if queued is None:
             return
         await queued.arrive()
-        if queued.lost:
-            for rid in queued.request_ids:
-                if (r := self.requests.get(rid)) is not None:
-                    self._resend_whole(r)
+        for rid in queued.request_ids if queued.lost else queued.dropped:
+            if (r := self.requests.get(rid)) is not None:  # (a request it dropped is sent whole next step)
+                self._resend_whole(r)
 
     def _queueable(self, live: list[Request], batch: BatchDrafts) -> list[int]:
         """Rows whose next drafts can be queued behind this round's sampler: the drafter drafted their last
