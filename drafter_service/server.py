@@ -90,6 +90,10 @@ class _StepReader:
         self._watcher.cancel()
 
 
+class SettleTimeout(WireError):
+    """A queued step's number never came: the verifier stalled or died mid-verification (a link fault)."""
+
+
 class _SharedOutput:
     """A stream's shared sampler output (flat int64, in the verifier's memory) and, on GPUs, the slot the
     verifier's GPU writes each queued step's number into once that output is there."""
@@ -116,8 +120,8 @@ class _SharedOutput:
         while self.slot.value < sequence:
             if time.monotonic() > deadline:
                 self.slot.set(sequence)
-                raise WireError(f"queued drafts: the verifier's sampler did not settle step {sequence} in "
-                                f"{timeout:g} s")
+                raise SettleTimeout(f"queued drafts: the verifier's sampler did not settle step {sequence} "
+                                    f"in {timeout:g} s")
             time.sleep(20e-6)
 
     def close(self, device: torch.device) -> None:
@@ -346,7 +350,8 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
                 for want in step.queued.wants:
                     self._free(f"{stream}/{want.request_id}", owned)
                     result.dropped_request_ids.append(want.request_id)
-                self.metrics.bad_payloads.labels(reason="bad_tensor").inc()
+                reason = "link_error" if isinstance(e, SettleTimeout) else "bad_tensor"
+                self.metrics.bad_payloads.labels(reason=reason).inc()
                 log.warning("queued drafts refused", extra={"reason": str(e)})
         wanted = [w for w in step.wants if draft and f"{stream}/{w.request_id}" in self._known]
         wanted = list({w.request_id: w for w in wanted}.values())  # one row per request

@@ -8,10 +8,9 @@ import os
 import time
 
 import pytest
-from specwire.drafter.server import _SharedOutput
+from specwire.drafter.server import SettleTimeout, _SharedOutput
 
 from specwire.stream_values import SLOT_DIR, HostSlot
-from specwire.wire import WireError
 
 
 def _write_from_another_process(path: str, value: int) -> None:
@@ -68,7 +67,7 @@ def test_the_drafter_waits_for_the_number_then_gives_up_and_releases_its_gpu():
         started = time.monotonic()
         shared.await_number(3, timeout=5.0)  # written already: no wait
         assert time.monotonic() - started < 1.0
-        with pytest.raises(WireError, match="did not settle step 4 in 0.2 s"):
+        with pytest.raises(SettleTimeout, match="did not settle step 4 in 0.2 s"):  # counted as a link fault
             shared.await_number(4, timeout=0.2)
         assert slot.value == 4, "the drafter's own GPU, waiting for 4, must be released"
     finally:
