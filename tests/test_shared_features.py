@@ -225,6 +225,18 @@ def test_malformed_queued_drafts_are_refused_and_their_requests_dropped(in_proce
     slot.close()
 
 
+def queue_over_grpc(service_class: type) -> tuple:
+    """LONG requests through the real gRPC link to a `service_class` drafter that maps the features and queues
+    drafts (serial drafting, queued on): config, sd, head, handed, the service, the link and the outputs."""
+    config, sd, head, engine, proposer, handed = recording_drafter("cpu", "cpu", 0, 0)
+    service = service_class(DrafterMetrics())
+    service.load(proposer, config, synthetic_tokenizer(config).fingerprint, "eagle3:random")
+    says_it_maps(service)
+    service.info.queues_drafts = True
+    link, (outputs, _) = asyncio.run(generate_over_grpc(service, engine, 0, VerifierMetrics(), LONG, True))
+    return config, sd, head, handed, service, link, outputs
+
+
 class BrokenOnQueuedDrafter(drafter_server.DrafterService):
     """Ends its first stream with an error at its 3rd step of queued drafts: their answer never comes."""
 
@@ -243,12 +255,7 @@ def test_queued_drafts_whose_answer_is_lost_cost_no_request(in_process_mapping):
     is offered the table and the sampler's buffer again, and the drafter is handed the target's features.
     (Outputs are not compared with another run: the forced acceptance of `generate` takes the drafts it
     is given, and a round whose drafts were lost has none.)"""
-    config, sd, head, engine, proposer, handed = recording_drafter("cpu", "cpu", 0, 0)
-    service = BrokenOnQueuedDrafter(DrafterMetrics())
-    service.load(proposer, config, synthetic_tokenizer(config).fingerprint, "eagle3:random")
-    says_it_maps(service)
-    service.info.queues_drafts = True
-    link, (outputs, _) = asyncio.run(generate_over_grpc(service, engine, 0, VerifierMetrics(), LONG, True))
+    config, sd, head, handed, service, link, outputs = queue_over_grpc(BrokenOnQueuedDrafter)
     assert service.queued_steps > 3 and link.epoch == 2
     assert len(in_process_mapping) == 4, "the table and the buffer, offered on each stream"
     resent = {int(key.split("/")[1]) for key in handed if key.startswith("1/")}
@@ -282,12 +289,7 @@ def test_requests_of_a_refused_queued_step_are_sent_whole_next_step(in_process_m
     """A queued step the drafter refuses (dropping its requests) costs those requests that round's drafts:
     the verifier's next step sends them whole, not as tokens to append to what the drafter no longer holds,
     and every other request is handed the target's features of every token."""
-    config, sd, head, engine, proposer, handed = recording_drafter("cpu", "cpu", 0, 0)
-    service = RefusingOnceQueuedDrafter(DrafterMetrics())
-    service.load(proposer, config, synthetic_tokenizer(config).fingerprint, "eagle3:random")
-    says_it_maps(service)
-    service.info.queues_drafts = True
-    link, (outputs, _) = asyncio.run(generate_over_grpc(service, engine, 0, VerifierMetrics(), LONG, True))
+    config, sd, head, handed, service, link, outputs = queue_over_grpc(RefusingOnceQueuedDrafter)
     assert link.epoch == 1 and service.queued_steps > 6 and service.refused
     unknown = service.metrics.bad_payloads.labels(reason="unknown_request")._value.get()
     assert unknown == 0, f"{unknown} updates for requests the drafter had dropped"
