@@ -101,16 +101,13 @@ class _SharedOutput:
     def __init__(self, buffer: torch.Tensor, slot: HostSlot | None):
         self.buffer, self.slot, self.sequence = buffer, slot, 0
 
-    def open_slot(self, path: str) -> None:
+    def open_slot(self, path: str, device: torch.device) -> None:
         try:
             slot = HostSlot(path)
         except (ValueError, OSError, RuntimeError) as e:
             raise WireError(f"queued drafts: cannot map the verifier's slot: {e}") from e
         slot.unlink()  # mapped by both processes now: nothing is left behind if either dies
-        if self.slot is not None:
-            self.slot.set(_RELEASED)  # (a verifier's second slot on one stream replaces the first)
-            torch.cuda.synchronize()
-            self.slot.close()
+        self.close(device)  # (a verifier's second slot on one stream replaces the first)
         self.slot, self.sequence = slot, 0
 
     def await_number(self, sequence: int, timeout: float) -> None:
@@ -125,11 +122,12 @@ class _SharedOutput:
             time.sleep(20e-6)
 
     def close(self, device: torch.device) -> None:
-        """The stream ended: no wait of this GPU outlives it."""
+        """Lets go of the slot (the stream ended, or another replaces it): no wait of this GPU outlives it."""
         if self.slot is not None:
             self.slot.set(_RELEASED)
             torch.cuda.synchronize(device)
             self.slot.close()
+            self.slot = None
 
 
 _RELEASED = 2**64 - 1  # a slot value every wait accepts
@@ -381,7 +379,7 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
             old = self._settled.pop(stream, None)
             self._settled[stream] = _SharedOutput(buffer, old.slot if old else None)
         if queued.settled_slot and stream in self._settled:
-            self._settled[stream].open_slot(queued.settled_slot)
+            self._settled[stream].open_slot(queued.settled_slot, self.proposer.device)
         if stream not in self._settled or stream not in self._tables:
             raise WireError("queued drafts on a stream that offered no sampler buffer or feature table")
         shared = self._settled[stream]

@@ -355,7 +355,6 @@ class DrafterLink(_StepResults):
         self._settled: torch.Tensor | None = None  # the sampler outputs settle_drafts shares, int64 [n, 1]
         self._settled_offered = False  # whether this stream has been offered them
         self._slot: HostSlot | None = None  # on GPUs: the verifier's GPU writes each settled step's number
-        self._slot_stream = 0  # the stream (epoch) it was made for
         self._slot_offered = False  # whether this stream has been offered it
         self._sequence = 0  # the number of the last queued step on the slot
         self._shape = (0, 0)  # the sampler output's, as announced
@@ -445,9 +444,8 @@ class DrafterLink(_StepResults):
             self._settled_offered = False
         if not self._settled_offered:
             queued.settled_buffer.CopyFrom(describe(self._settled))
-        if features.is_cuda and not self._slot_offered:
-            if self._slot is None or self._slot_stream != self.epoch:  # the drafter unlinks it once mapped
-                self._new_slot()
+        if features.is_cuda and not self._slot_offered:  # one a stream: the drafter unlinks it once mapped
+            self._new_slot()
             queued.settled_slot = self._slot.path
         for rid, want in zip(request_ids, wants, strict=True):
             queued.wants.add(request_id=rid, num_drafts=want.num_drafts, temperature=want.temperature,
@@ -492,9 +490,9 @@ class DrafterLink(_StepResults):
         return True
 
     def _new_slot(self) -> None:
-        """One slot a stream, numbered from 1."""
+        """A fresh slot (for a stream that has not been offered one), numbered from 1."""
         self._close_slot()
-        self._slot, self._slot_stream, self._sequence = HostSlot(), self.epoch, 0
+        self._slot, self._sequence = HostSlot(), 0
 
     def _close_slot(self) -> None:
         if self._slot is not None:

@@ -1032,28 +1032,26 @@ class Scheduler:
         sampling = batch if not carry else BatchDrafts(  # a carried prompt's last token: a row without drafts
             [*batch.token_ids, *([] for _ in carry)], batch.probs, batch.on_device)
         queue, wants = list(queue), [self._want_for(live[i], self._num_drafts(live[i])) for i in queue]
+        announced = settled = False
         if queue:  # told while the forward runs: a drafter's GPU then waits for the sampler's output
             T = self.link.info.max_num_drafts + 1
             cells = [c for i in queue for c in store.cells(live[i].slot, starts[i], T)]
             shape = (len(live) + len(carry), max(sampling.num_drafts, default=0) + 2)  # the sampler's packed
-            if not self.link.announce_drafts([live[i].id for i in queue], wants, queue, store.flat, cells,
-                                             shape):
-                for i in queue:
-                    self._resend_whole(live[i])
-                queue, wants = [], []
+            announced = self.link.announce_drafts([live[i].id for i in queue], wants, queue, store.flat,
+                                                  cells, shape)
         try:
             sampled = self._sample(out.logits, [*live, *carry], sampling)
             self._verify_span.end()
             round_trace.mark("v.sampler_queued")
-            if queue:  # the tokens come back as soon as the sampler is done, while the drafts are drafted
+            if announced:  # the tokens come back as soon as the sampler is done, while the drafts are drafted
                 self._tokens_back.start(sampled.packed)
                 store.ready()
                 settled = self.link.settle_drafts(sampled.packed)
         except Exception:
-            if queue:  # a drafter waiting for this sampler is released; these requests are re-sent whole
+            if announced:  # a drafter waiting for this sampler is released; these requests are re-sent whole
                 self.link.drop_drafts()
             raise
-        if queue and not settled:
+        if queue and not settled:  # not announced, or not sent: the drafter holds these in an unknown state
             for i in queue:
                 self._resend_whole(live[i])
             queue, wants = [], []
