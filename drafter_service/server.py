@@ -125,7 +125,8 @@ class _SharedOutput:
         """Lets go of the slot (the stream ended, or another replaces it): no wait of this GPU outlives it."""
         if self.slot is not None:
             self.slot.set(_RELEASED)
-            torch.cuda.synchronize(device)
+            if device.type == "cuda":  # (a CPU drafter may hold a slot it refused: nothing waits on it)
+                torch.cuda.synchronize(device)
             self.slot.close()
             self.slot = None
 

@@ -8,6 +8,7 @@ import os
 import time
 
 import pytest
+import torch
 from specwire.drafter.server import SettleTimeout, _SharedOutput
 
 from specwire.stream_values import SLOT_DIR, HostSlot
@@ -70,6 +71,19 @@ def test_the_drafter_waits_for_the_number_then_gives_up_and_releases_its_gpu():
         with pytest.raises(SettleTimeout, match="did not settle step 4 in 0.2 s"):  # counted as a link fault
             shared.await_number(4, timeout=0.2)
         assert slot.value == 4, "the drafter's own GPU, waiting for 4, must be released"
+    finally:
+        slot.unlink()
+        slot.close()
+
+
+def test_a_cpu_drafter_lets_go_of_a_slot_it_was_offered():
+    """A slot offered beside a sampler buffer in host memory is mapped, then refused (test_shared_features):
+    the stream's end lets go of it without a GPU to wait for."""
+    slot = HostSlot()
+    try:
+        shared = _SharedOutput(buffer=None, slot=HostSlot(slot.path))
+        shared.close(torch.device("cpu"))
+        assert shared.slot is None and slot.value == 2**64 - 1
     finally:
         slot.unlink()
         slot.close()
