@@ -233,8 +233,8 @@ class VerifierMetrics(_ServiceMetrics):
         self.queued_drafts = c(
             "queued_drafts",
             "Requests whose next drafts the drafter queued on its device right behind the sampler (a "
-            "co-located drafter without a DraftStep; one in another process on this host by a step sent as "
-            "the verification starts), one per request and round.",
+            "co-located drafter without a DraftStep; one in another process on this host by a step sent "
+            "while the target's forward runs), one per request and round.",
         )
         self.requests_rejected = c(
             "requests_rejected", "Requests refused before they were queued, by error code.", ["code"]
