@@ -42,6 +42,13 @@ async def generate(engine: TargetEngine, link: LocalDrafterLink | DrafterLink, c
                                           table_wait=5.0, just_in_time_wait=5.0,
                                           forced_acceptance=(0.9, 0.8, 0.7), queue_drafts=queue_drafts), link)
     scheduler.start()
+    # A gRPC link connects in the background: a request that finished before it did never reached the
+    # drafter (in CI, a 0.2 s connect outlasted the first requests), and the checks here need every one.
+    for _ in range(1000):
+        if link.connected:
+            break
+        await asyncio.sleep(0.01)
+    assert link.connected, f"the drafter link did not connect in 10 s: {getattr(link, 'last_error', '')}"
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(3, 30_000, (int(n),), generator=g).tolist()
                for n in torch.randint(4, 40, (REQUESTS,), generator=g)]
