@@ -99,10 +99,28 @@ async def serving(service, listen: str = "127.0.0.1:0"):
 
 
 async def generate_over_grpc(service, engine, cache_branches: int, metrics: VerifierMetrics,
-                             max_tokens: int = MAX_TOKENS, queue_drafts: bool = False):
+                             max_tokens: int = MAX_TOKENS, queue_drafts: bool = False,
+                             drafting_epoch: int = 0):
     async with serving(service) as target:
         link = DrafterLink(target, metrics, step_timeout=5.0, share_from=engine.device)
-        return link, await generate(engine, link, cache_branches, queue_drafts, max_tokens=max_tokens)
+        return link, await generate(engine, link, cache_branches, queue_drafts, max_tokens=max_tokens,
+                                    drafting_epoch=drafting_epoch, metrics=metrics)
+
+
+def recording_queued(proposer, handed) -> set:
+    """Records in `handed` the features the proposer's queued drafting gathers (as many rows as settled);
+    returns the set of drafter keys it queued for, filled as it runs."""
+    queue, queued = proposer.queue_after_verification, set()
+
+    def record_queued(request_ids, *args):
+        queue(request_ids, *args)
+        pending = proposer._meta[proposer._PENDING].tolist()
+        for b, rid in enumerate(request_ids):
+            handed[rid].append(proposer._features[b, :pending[b]].to("cpu", copy=True))
+        queued.update(request_ids)
+
+    proposer.queue_after_verification = record_queued
+    return queued
 
 
 @pytest.mark.parametrize("cache_branches", [0, 4], ids=["serial", "tables"])
@@ -133,16 +151,7 @@ def test_drafts_queued_behind_the_sampler_across_processes_read_what_it_settled(
     read from the shared table at the cells the step names, and the outputs must be those of serial steps
     sent after the verification."""
     config, sd, head, engine, proposer, handed = recording_drafter("cpu", "cpu", 0, 0)
-    queue, queued = proposer.queue_after_verification, set()
-
-    def record_queued(request_ids, *args):  # the rows gathered for the drafts, as many as settled
-        queue(request_ids, *args)
-        pending = proposer._meta[proposer._PENDING].tolist()
-        for b, rid in enumerate(request_ids):
-            handed[rid].append(proposer._features[b, :pending[b]].to("cpu", copy=True))
-        queued.update(request_ids)
-
-    proposer.queue_after_verification = record_queued
+    queued = recording_queued(proposer, handed)
     service = drafter_service(proposer, config)
     says_it_maps(service)
     service.info.queues_drafts = True
@@ -156,6 +165,24 @@ def test_drafts_queued_behind_the_sampler_across_processes_read_what_it_settled(
     says_it_maps(plain)
     reference, _ = asyncio.run(generate_over_grpc(plain, engine2, 0, VerifierMetrics()))[1]
     assert outputs == reference
+
+
+def test_an_adaptive_verifier_queues_its_serial_epochs_across_processes(in_process_mapping):
+    """The adaptive drafting mode (epochs of 3 rounds of tables, serial drafting, none) queues its serial
+    epochs' drafts behind the sampler over the real link: the drafter is still handed the target's features
+    of every token, through table, serial, queued and draftless rounds alike."""
+    config, sd, head, engine, proposer, handed = recording_drafter("cpu", "cpu", 4, 0)
+    queued = recording_queued(proposer, handed)
+    service = drafter_service(proposer, config)
+    says_it_maps(service)
+    service.info.queues_drafts = True
+    metrics = VerifierMetrics()
+    link, (outputs, _) = asyncio.run(generate_over_grpc(service, engine, 4, metrics, queue_drafts=True,
+                                                        drafting_epoch=3))
+    assert queued, "no drafts were queued behind a sampler"
+    assert link.epoch == 1 and metrics.bad_payloads.labels(reason="link_error")._value.get() == 0
+    assert all(metrics.drafting_rounds[m]._value.get() > 0 for m in ("tables", "serial", "none"))
+    assert_handed_the_target_features(handed, outputs, config, sd, head, "cpu")
 
 
 def test_sampled_tokens_through_drafts_queued_across_processes_follow_the_target(in_process_mapping):

@@ -79,8 +79,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "H200s, bench/results/session31/)")
     parser.add_argument("--queue-drafts", choices=("auto", "on", "off"),
                         default=env("SPECWIRE_QUEUE_DRAFTS", "auto"),
-                        help="with --cache-branches 0: queue each round's next drafts on the drafter's "
-                             "device right behind its sampler, with no return to the host in between: "
+                        help="with serial drafting (--cache-branches 0, or the serial epochs of "
+                             "--drafting-epoch but their last rounds): queue each round's next drafts on the "
+                             "drafter's device right behind its sampler, with no return to the host between: "
                              "--colocated without a DraftStep; a drafter in another process on this host "
                              "that maps the features by a step sent while the target's forward runs, its GPU "
                              "waiting for a number the verifier's GPU writes into shared memory after the "

@@ -287,6 +287,11 @@ class QueuedDrafts:
         aligned = read_result(result, dict(zip(self.request_ids, self.wants, strict=True)), self.vocab_size)
         self._drafts = aligned.drafts
 
+    def served(self) -> set[str]:
+        """The requests these drafts are for, once arrived: none if the answer was lost, and not those the
+        drafter dropped."""
+        return set() if self.lost else set(self.request_ids) - self.dropped
+
     def as_batch(self, request_ids: list[str], room: list[int]) -> Proposal | None:
         """The drafts as the drafter left them (ids, and the q of sampled rows, on its device; rows in queue
         order), when they serve a verification of `request_ids` as they are: the same requests in the same

@@ -46,6 +46,11 @@ class DraftingMode:
         self._epochs = self._rounds = self._tokens = 0
         self._request_seconds = 0.0
 
+    @property
+    def last_round_of_epoch(self) -> bool:
+        """The next round recorded ends the current epoch (the mode may change after it)."""
+        return self._rounds + 1 >= self.epoch_rounds
+
     def record(self, tokens: int, requests: int, seconds: float) -> None:
         """A round of the current mode for `requests` requests settled `tokens` in `seconds`: its own time,
         from its start (waits for its drafts included) to its tokens, and not the prefill steps or the idle

@@ -223,8 +223,9 @@ class SchedulerConfig:
     # arrive, one at a time. 0: prefilled at once. Never waits when nothing decodes or when the waiting fill
     # the free slots.
     admit_wait: float = 0.0
-    # Serial drafting with a co-located drafter: queue the next round's drafts on the device right behind the
-    # sampler (no DraftStep, and no return to the host in between). None = where the drafter is on CUDA.
+    # Serial drafting (and the serial epochs of drafting_epoch): queue the next round's drafts on the
+    # drafter's device right behind the sampler (no return to the host in between). None = where the link
+    # says so (queues_on_auto) and features live on CUDA.
     queue_drafts: bool | None = None
 
 
@@ -518,9 +519,13 @@ class Scheduler:
         caching, round_started = self.caching, time.perf_counter()
         mode = self._drafting.mode if self._drafting is not None else "tables"
         tabling = caching and mode == "tables"
+        # A serial epoch queues drafts as serial drafting does, but in its last round: whatever mode follows
+        # then starts with none queued (an epoch without drafts verifies on the worker, which takes none).
+        queueing = not caching or (mode == "serial" and not self._drafting.last_round_of_epoch)
         if caching:
             await self._take_drafts_ahead(live)  # a serial epoch's last step, also when "none" follows it
-            live = [r for r in live if r.live]  # the wait may have let aborts in
+            await self._queued_arrived()  # a serial epoch's, queued behind the last sampler
+            live = [r for r in live if r.live]  # the waits may have let aborts in
             if live and mode == "none" and not any(r.next_drafts for r in live):
                 # An epoch without drafts asks the drafter for nothing (the tokens it settles reach it with
                 # the next step that is sent, as after any round it was not told of), so its rounds run as
@@ -528,10 +533,10 @@ class Scheduler:
                 # more host time than a target-only step (SmolLM2, H200, bench/results/session30/).
                 await self._decode(live, drafting_epoch=True)
                 if self._drafting.mode == "serial" and (rest := [r for r in live if r.live]):
-                    self._in_flight = self._send_step(rest, "chains")  # the next round's drafts
+                    self._in_flight = self._send_step(rest, "serial")  # the next round's drafts
                 return
             if mode != "none":
-                await self._draft_just_in_time(live)
+                await self._draft_just_in_time(live, "serial" if mode == "serial" else "chains")
                 live = [r for r in live if r.live]
             if not live:
                 return
@@ -553,7 +558,7 @@ class Scheduler:
             sent = self._send_step(live, "tables", checking=batch.num_drafts)
             await asyncio.sleep(0)  # the link's writer puts it on the wire before this thread launches
         started = time.perf_counter()
-        step = await self._verify(live, batch, [] if caching else self._queueable(live, batch))
+        step = await self._verify(live, batch, self._queueable(live, batch) if queueing else [])
         round_trace.mark("v.verified")
         self._verify_seconds = time.perf_counter() - started
         tables = await self._tables(sent) if caching else None
@@ -570,8 +575,11 @@ class Scheduler:
         elif caching:
             self._count_round(mode, live, step, time.perf_counter() - round_started)
             if self._drafting is not None and self._drafting.mode == "serial":
-                # the next round's drafts, for what this one settled
-                self._in_flight = self._send_step([r for r in live if r.live], "chains")
+                # The next round's drafts, for what this one settled, where not queued on the drafter: as
+                # serial drafting's, no chain kept, so that the next round may queue them in turn (a table
+                # never checks them: a tables epoch's first round drafts its chains just in time).
+                rest = [r for r in live if r.live and r.id not in queued]
+                self._in_flight = self._send_step(rest, "serial")
 
     async def _verify(self, live: list[Request], batch: BatchDrafts, queue: list[int]) -> _Step:
         """One verification, while the last round's tokens go out; the next drafts of rows `queue` are queued
@@ -684,8 +692,8 @@ class Scheduler:
             self.metrics.fallbacks["down"].inc()
 
     async def _take_drafts_ahead(self, live: list[Request]) -> None:
-        """A serial epoch's drafts: those of the step sent when the last round ended. The drafter kept each
-        chain, so a table can follow."""
+        """A serial epoch's drafts: those of the step sent when the last round ended (for the requests whose
+        drafts were not queued behind its sampler)."""
         sent, self._in_flight = self._in_flight, None
         if sent is None:
             return
@@ -695,18 +703,21 @@ class Scheduler:
 
     def _take_chains(self, rows: list[Request], result: dpb.DraftResult | None, wants: dict[str, Want]
                      ) -> None:
-        """The drafts of a "chains" step become these requests' next drafts (None where it had none)."""
+        """The drafts of a "chains" or "serial" step become these requests' next drafts (None where it had
+        none)."""
         drafts = {} if result is None else self._read_drafts(result, wants)
         for r in rows:
             d = drafts.get(r.id)
             found = d is not None and len(d.token_ids) > 0
             r.next_drafts, r.next_branch = (d, CHAIN) if found else (None, None)
 
-    async def _draft_just_in_time(self, live: list[Request]) -> None:
+    async def _draft_just_in_time(self, live: list[Request], kind: str) -> None:
         """Drafts for the requests the last tables had none for (a miss, a late table, none asked for, a new
-        request), when waiting for them pays. The drafter keeps each chain, so the table asked for while
-        this round checks it covers its outcomes."""
-        missing = [r for r in live if r.next_drafts is None and self._num_drafts(r)]
+        request), when waiting for them pays. kind "chains": the drafter keeps each chain, so the table asked
+        for while this round checks it covers its outcomes; "serial" (a serial epoch): it keeps none, and the
+        next drafts of these requests may be queued behind this round's sampler."""
+        queued = self._queued_drafts.served() if self._queued_drafts is not None else set()
+        missing = [r for r in live if r.next_drafts is None and r.id not in queued and self._num_drafts(r)]
         if not missing:
             return
         wait = self.config.just_in_time_wait
@@ -719,7 +730,8 @@ class Scheduler:
                 # while the trip stays at twice what pays.
                 self._just_in_time_trip *= 0.99
                 wait = 0.0
-        sent = self._send_step(missing, "chains") if wait > 0 and self.link.info.chains else None
+        can_draft = kind == "serial" or self.link.info.chains  # a drafter may keep no chains
+        sent = self._send_step(missing, kind) if wait > 0 and can_draft else None
         if sent is None:
             self.metrics.just_in_time["declined"].inc(len(missing))
             return
@@ -737,7 +749,8 @@ class Scheduler:
             self.metrics.just_in_time["undrafted" if r.next_drafts is None else "drafted"].inc()
 
     def _cached_drafts(self, live: list[Request]) -> BatchDrafts:
-        """The drafts the last tables hold for each request's outcome, cut to the room it has left."""
+        """The drafts the last tables (or a chains step) hold for each request's outcome and those queued
+        behind the last sampler, cut to the room each has left."""
         drafts = {}
         for r in live:
             d = r.next_drafts
@@ -745,7 +758,7 @@ class Scheduler:
                 r.next_branch = None
                 continue
             drafts[r.id] = _cut(d, self._num_drafts(r))
-        return batch_drafts([r.id for r in live], drafts, self.vocab_size)
+        return self._with_queued(live, drafts)
 
     async def _tables(self, sent: tuple[asyncio.Future, dict] | None) -> dict[str, Table] | None:
         """The checked tables of the step sent with this verification, or None if they did not come in time
@@ -814,7 +827,10 @@ class Scheduler:
                     ) -> BatchDrafts:
         """A serial round's drafts: those of the step answered (None: none, as after a timeout or a broken
         stream, which the link counts) and those queued behind the last sampler, cut to each one's room."""
-        drafts = {} if result is None else self._read_drafts(result, wants)
+        return self._with_queued(live, {} if result is None else self._read_drafts(result, wants))
+
+    def _with_queued(self, live: list[Request], drafts: dict[str, Drafts]) -> BatchDrafts:
+        """`drafts` and those queued behind the last sampler, as the round's batch."""
         queued, self._queued_drafts = self._queued_drafts, None
         if queued is None:
             return batch_drafts([r.id for r in live], drafts, self.vocab_size)
