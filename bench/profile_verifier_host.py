@@ -105,18 +105,22 @@ OWNERS = {  # function name -> a path fragment of its file, to tell apart same-n
 
 def start_verifier(loop: Loop, checkpoint, tokenizer, drafter_port: int | None, device: str, k: int,
                    max_slots: int, cache_branches: int = SchedulerConfig.cache_branches,
-                   drafter_socket: str | None = None, in_process: bool = False
+                   drafter_socket: str | None = None, in_process: bool = False, drafting_epoch: int = 0,
+                   queue_drafts: bool | None = None
                    ) -> tuple[VerifierServer, generation_pb2_grpc.GenerationStub]:
     """As `specwire verifier` builds it: CUDA graphs for decode and for verify rows of 1 + k tokens.
     drafter_port None: target-only, unless in_process (the drafter in this process, on the CPU);
-    drafter_socket: the Draft stream over the drafter's step socket."""
+    drafter_socket: the Draft stream over the drafter's step socket; drafting_epoch and queue_drafts as
+    SchedulerConfig's."""
     engine = TargetEngine(checkpoint=checkpoint, device=device, dtype=torch.float32, max_slots=max_slots,
                           max_context=MAX_CONTEXT, max_verify_tokens=k + 1)
     drafter = None if drafter_port is None else f"127.0.0.1:{drafter_port}"
     settings = VerifierSettings(drafter=drafter, drafter_socket=drafter_socket, step_timeout=5.0,
                                 model_name="tiny",
                                 scheduler=SchedulerConfig(num_speculative_tokens=k, max_waiting=64,
-                                                          cache_branches=cache_branches))
+                                                          cache_branches=cache_branches,
+                                                          drafting_epoch=drafting_epoch,
+                                                          queue_drafts=queue_drafts))
 
     async def start() -> tuple[VerifierServer, int]:  # grpc.aio objects belong to the loop they are made on
         metrics = VerifierMetrics()
@@ -226,6 +230,10 @@ def main() -> int:
     p.add_argument("--target-only", action="store_true", help="no drafter: k = 0, every round a decode step")
     p.add_argument("--cache-branches", type=int, default=SchedulerConfig.cache_branches,
                    help="the verifier's --cache-branches (0: serial drafting, each round waits for drafts)")
+    p.add_argument("--drafting-epoch", type=int, default=0,
+                   help="the verifier's --drafting-epoch (rounds an adaptive epoch; 0: tables only)")
+    p.add_argument("--queue-drafts", choices=("auto", "on", "off"), default="auto",
+                   help="the verifier's --queue-drafts (auto: where the drafter is on CUDA)")
     p.add_argument("--step-socket", action="store_true",
                    help="the Draft stream over the drafter's Unix step socket instead of gRPC")
     p.add_argument("--colocated", action="store_true",
@@ -259,7 +267,9 @@ def main() -> int:
     server, stub = start_verifier(verifier_loop, checkpoint, tokenizer, drafter and drafter.port,
                                   args.verifier_device, args.k, max_slots=max(16, args.streams),
                                   cache_branches=args.cache_branches, drafter_socket=socket_path,
-                                  in_process=args.colocated and not args.target_only)
+                                  in_process=args.colocated and not args.target_only,
+                                  drafting_epoch=args.drafting_epoch,
+                                  queue_drafts={"on": True, "off": False}.get(args.queue_drafts))
     scheduler = server.scheduler
     deadline = time.time() + 30
     while (drafter or args.colocated) and not scheduler.speculating:
