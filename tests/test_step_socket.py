@@ -175,6 +175,8 @@ def test_garbage_from_the_socket_is_refused_counted_and_falls_back(world, tmp_pa
     v = Verifier(world.loop, world.checkpoint, world.tokenizer, world.drafter.port, drafter_socket=path,
                  step_timeout=0.5, table_wait=0.2, just_in_time_wait=0.2)
     try:
+        if first == "info":  # steps go out once it is up: requests that finished before it would send none
+            v.wait_connected()
         batch = prompts(3, seed=44)
         assert token_ids(v, batch, max_tokens=10) == greedy_reference(world.checkpoint, batch, 10)
         poll(lambda: v.counter(v.metrics.bad_payloads, reason="link_error") > 0, what="the refusal")
