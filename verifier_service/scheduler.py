@@ -526,7 +526,8 @@ class Scheduler:
             await self._take_drafts_ahead(live)  # a serial epoch's last step, also when "none" follows it
             await self._queued_arrived()  # a serial epoch's, queued behind the last sampler
             live = [r for r in live if r.live]  # the waits may have let aborts in
-            if live and mode == "none" and not any(r.next_drafts for r in live):
+            drafted = any(r.next_drafts for r in live) or self._queued_drafts is not None
+            if live and mode == "none" and not drafted:
                 # An epoch without drafts asks the drafter for nothing (the tokens it settles reach it with
                 # the next step that is sent, as after any round it was not told of), so its rounds run as
                 # target-only decoding runs, back to back on the worker: through the loop, each took 0.4 ms
