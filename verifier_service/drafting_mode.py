@@ -28,7 +28,8 @@ from specwire.metrics import DRAFTING_MODES as MODES  # ("tables", "serial", "no
 
 # A remote drafter's verifier's default epoch (--drafting-epoch): long enough to measure, short enough that a
 # bench point of a few hundred rounds tries every mode. The best mode or within 0.04x of it at every point of
-# two runs (SmolLM2 + shipped head, two H200s, batch 1 / 16 / 64, T = 0 and 1: bench/results/session31/).
+# two runs (SmolLM2 + shipped head, two H200s, batch 1 / 16 / 64, T = 0 and 1: bench/results/session31/;
+# measured before session 34's serial epochs queued their drafts, not since).
 DEFAULT_EPOCH_ROUNDS = 16
 
 
