@@ -618,11 +618,14 @@ def test_colocated_drafts_queued_behind_the_sampler_equal_target_only(world, mon
         v.close()
 
 
-def test_queued_drafts_lost_to_a_drafter_fault_cost_no_request(world):
+@pytest.mark.parametrize("drafting", [{"cache_branches": 0}, {"drafting_epoch": 3}],
+                         ids=["serial", "adaptive"])
+def test_queued_drafts_lost_to_a_drafter_fault_cost_no_request(world, drafting):
     """Every third take of queued drafts fails inside the drafter (after it committed the tokens): those
-    requests verify without drafts and are sent to the drafter whole, and the output stays target-only."""
-    v = Verifier(world.loop, world.checkpoint, world.tokenizer, "colocated-inline", cache_branches=0,
-                 queue_drafts=True, max_slots=3)
+    requests verify without drafts and are sent to the drafter whole, and the output stays target-only;
+    also where the adaptive mode's serial epochs queue them."""
+    v = Verifier(world.loop, world.checkpoint, world.tokenizer, "colocated-inline", queue_drafts=True,
+                 max_slots=3, **drafting)
     proposer = v.server.scheduler.link._take.func.__self__.proposer
     read, takes = proposer._proposal, iter(range(10**6))
 
