@@ -750,8 +750,8 @@ class Scheduler:
             self.metrics.just_in_time["undrafted" if r.next_drafts is None else "drafted"].inc()
 
     def _cached_drafts(self, live: list[Request]) -> BatchDrafts:
-        """The drafts the last tables (or a chains step) hold for each request's outcome and those queued
-        behind the last sampler, cut to the room each has left."""
+        """The drafts the last tables (or a chains or serial step) hold for each request's outcome and those
+        queued behind the last sampler, cut to the room each has left."""
         drafts = {}
         for r in live:
             d = r.next_drafts
