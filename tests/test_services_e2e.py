@@ -647,8 +647,9 @@ def test_queued_drafts_lost_to_a_drafter_fault_cost_no_request(world, drafting):
                          ids=["greedy", "seeded"])
 def test_adaptive_drafting_queues_its_serial_epochs_exactly(world, sampling):
     """Epochs of three rounds (tables, serial, none, then the fastest, switching back and forth): a serial
-    epoch queues its drafts behind the sampler but in its last round, which sends a chains step for whatever
-    mode follows. Output stays target-only's, greedy or seeded-sampled, with more requests than slots."""
+    epoch queues its drafts behind the sampler but in its last round, so that whatever mode follows starts
+    with none queued. Output stays target-only's, greedy or seeded-sampled, with more requests than slots.
+    (Table hits are not asserted: how many table rounds run follows the measured speed.)"""
     batch = prompts(8, seed=45)
     v = Verifier(world.loop, world.checkpoint, world.tokenizer, "colocated-inline", drafting_epoch=3,
                  queue_drafts=True, max_slots=3)
@@ -662,7 +663,7 @@ def test_adaptive_drafting_queues_its_serial_epochs_exactly(world, sampling):
         serial_rounds = v.counter(v.metrics.drafting_rounds["serial"])
         queued = v.counter(v.metrics.queued_drafts)
         assert 0 < queued <= 3 * serial_rounds, (queued, serial_rounds)  # queued in serial rounds only
-        assert v.counter(v.metrics.cache["hit"]) > 0 and v.counter(v.metrics.num_accepted_tokens) > 0
+        assert v.counter(v.metrics.num_accepted_tokens) > 0
         # none refused: a row the drafter holds with a chain kept (tokens pending) cannot be queued
         assert v.counter(v.metrics.bad_payloads, reason="unknown_request") == 0
         assert v.counter(v.metrics.bad_payloads, reason="link_error") == 0
