@@ -643,22 +643,25 @@ def test_queued_drafts_lost_to_a_drafter_fault_cost_no_request(world, drafting):
         v.close()
 
 
-@pytest.mark.parametrize("sampling", [{}, {"temperature": 0.3, "top_p": 0.9, "seed": 779}],
-                         ids=["greedy", "seeded"])
-def test_adaptive_drafting_queues_its_serial_epochs_exactly(world, sampling):
+@pytest.mark.parametrize("sampling, device", [
+    ({}, "cpu"), ({"temperature": 0.3, "top_p": 0.9, "seed": 779}, "cpu"),
+    pytest.param({}, "cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                       reason="needs CUDA")]),
+], ids=["greedy", "seeded", "greedy_cuda"])
+def test_adaptive_drafting_queues_its_serial_epochs_exactly(world, sampling, device):
     """Epochs of three rounds (tables, serial, none, then the fastest, switching back and forth): a serial
     epoch queues its drafts behind the sampler but in its last round, so that whatever mode follows starts
     with none queued. Output stays target-only's, greedy or seeded-sampled, with more requests than slots.
     (Table hits are not asserted: how many table rounds run follows the measured speed.)"""
     batch = prompts(8, seed=45)
     v = Verifier(world.loop, world.checkpoint, world.tokenizer, "colocated-inline", drafting_epoch=3,
-                 queue_drafts=True, max_slots=3)
+                 queue_drafts=True, max_slots=3, device=device)
     try:
         results = [r[0] for r in generate_all(v, batch, max_tokens=24, **sampling)]
         if sampling:
             assert results == seeded_reference(world.checkpoint, batch, 24, 0.3, 0.9, 779)
         else:
-            assert results == greedy_reference(world.checkpoint, batch, 24)
+            assert results == greedy_reference(world.checkpoint, batch, 24, device)
         assert all(v.counter(v.metrics.drafting_rounds[m]) > 0 for m in ("tables", "serial", "none"))
         serial_rounds = v.counter(v.metrics.drafting_rounds["serial"])
         queued = v.counter(v.metrics.queued_drafts)
