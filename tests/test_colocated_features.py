@@ -89,17 +89,7 @@ def test_the_colocated_drafter_is_handed_the_target_features_of_every_token(cach
     drafter_device, verifier_device = devices
     config, sd, head, engine, proposer, handed = recording_drafter(drafter_device, verifier_device,
                                                                    cache_branches, carry_rows)
-    queue = proposer.queue_after_verification
-
-    def record_queued(request_ids, *args):  # the rows the device gathered, as many as settled
-        queue(request_ids, *args)
-        pending = proposer._meta[proposer._PENDING].tolist()
-        for b, rid in enumerate(request_ids):
-            handed[rid].append(proposer._features[b, :pending[b]].to("cpu", copy=True))
-        queued.update(request_ids)
-
-    queued = set()
-    proposer.queue_after_verification = record_queued
+    queued = recording_queued(proposer, handed)
     service = drafter_service(proposer, config)
     owned = set()
     on_device = not as_bytes  # bytes: no feature device, so steps carry the features as over gRPC
@@ -133,6 +123,22 @@ def recording_drafter(drafter_device: str, verifier_device: str, cache_branches:
 
     proposer._append = record
     return config, sd, head, engine, proposer, handed
+
+
+def recording_queued(proposer, handed) -> set:
+    """Records in `handed` the features the proposer's queued drafting gathers (as many rows as settled);
+    returns the set of drafter keys it queued for, filled as it runs."""
+    queue, queued = proposer.queue_after_verification, set()
+
+    def record_queued(request_ids, *args):
+        queue(request_ids, *args)
+        pending = proposer._meta[proposer._PENDING].tolist()
+        for b, rid in enumerate(request_ids):
+            handed[rid].append(proposer._features[b, :pending[b]].to("cpu", copy=True))
+        queued.update(request_ids)
+
+    proposer.queue_after_verification = record_queued
+    return queued
 
 
 def drafter_service(proposer: EagleProposer, config) -> DrafterService:

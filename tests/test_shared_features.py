@@ -34,6 +34,7 @@ from test_colocated_features import (
     drafter_service,
     generate,
     recording_drafter,
+    recording_queued,
 )
 
 from specwire import grpc_common
@@ -105,22 +106,6 @@ async def generate_over_grpc(service, engine, cache_branches: int, metrics: Veri
         link = DrafterLink(target, metrics, step_timeout=5.0, share_from=engine.device)
         return link, await generate(engine, link, cache_branches, queue_drafts, max_tokens=max_tokens,
                                     drafting_epoch=drafting_epoch, metrics=metrics)
-
-
-def recording_queued(proposer, handed) -> set:
-    """Records in `handed` the features the proposer's queued drafting gathers (as many rows as settled);
-    returns the set of drafter keys it queued for, filled as it runs."""
-    queue, queued = proposer.queue_after_verification, set()
-
-    def record_queued(request_ids, *args):
-        queue(request_ids, *args)
-        pending = proposer._meta[proposer._PENDING].tolist()
-        for b, rid in enumerate(request_ids):
-            handed[rid].append(proposer._features[b, :pending[b]].to("cpu", copy=True))
-        queued.update(request_ids)
-
-    proposer.queue_after_verification = record_queued
-    return queued
 
 
 @pytest.mark.parametrize("cache_branches", [0, 4], ids=["serial", "tables"])
