@@ -375,10 +375,12 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
         until the verifier's writes the step's number into the shared slot (after copying the sampler's
         output into the shared buffer), then drafts from that output and the feature table as a co-located
         drafter does (queue_drafts); the host waits for the number, then for the drafts."""
-        if queued.HasField("settled_buffer"):
+        if queued.HasField("settled_buffer"):  # a grown buffer keeps the stream's slot and its numbering
             buffer = open_table(queued.settled_buffer, (torch.int64,)).view(-1)
-            old = self._settled.pop(stream, None)
-            self._settled[stream] = _SharedOutput(buffer, old.slot if old else None)
+            if (shared := self._settled.get(stream)) is not None:
+                shared.buffer = buffer
+            else:
+                self._settled[stream] = _SharedOutput(buffer, None)
         if queued.settled_slot and stream in self._settled:
             self._settled[stream].open_slot(queued.settled_slot, self.proposer.device)
         if stream not in self._settled or stream not in self._tables:
