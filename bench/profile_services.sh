@@ -6,6 +6,7 @@
 # device is sampled where it waits: bench/pyspy_drill.py), and torch.profiler traces of both services' steps
 # (specwire/step_profiler.py). Carry [".devcarry/wmin", ".devcarry/pyspy"]; with no model joined (a synthetic
 # run: --workloads synthetic ...) the run goes without --model.
+# DRAFTER_DEVICE / VERIFIER_DEVICE: default cuda:0 / cuda:1 (one GPU: both cuda:0).
 # $OUT/profile.tar.gz gets the raw py-spy stacks (pyspy.txt), the traces and op tables, and the run's JSON.
 set -uo pipefail
 OUT=${OUT:-/tmp/specwire-out}
@@ -19,7 +20,7 @@ export CUDA_DEVICE_ORDER=PCI_BUS_ID SPECWIRE_PROFILE_DIR=$P/traces
 export SPECWIRE_PROFILE_SKIP=${SPECWIRE_PROFILE_SKIP:-300} SPECWIRE_PROFILE_STEPS=${SPECWIRE_PROFILE_STEPS:-40}
 /tmp/pyspy/bin/py-spy record --subprocesses --nonblocking --threads --idle --rate "${PYSPY_RATE:-1000}" --format raw \
     --output "$P/pyspy.txt" -- \
-    python3 bench/bench_services.py "${model[@]}" --drafter-device cuda:0 --verifier-device cuda:1 \
+    python3 bench/bench_services.py "${model[@]}" --drafter-device "${DRAFTER_DEVICE:-cuda:0}" --verifier-device "${VERIFIER_DEVICE:-cuda:1}" \
     --out-dir "$P" --tag profile --sweep-ks "" --temperatures 0 --repeats 3 "$@" 2>&1 | tail -12
 status=${PIPESTATUS[0]}
 tar -czf "$OUT/profile.tar.gz" -C "$P" . && ls -la "$OUT/profile.tar.gz"
