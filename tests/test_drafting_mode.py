@@ -108,3 +108,18 @@ def test_bad_settings_are_refused():
         DraftingMode(epoch_rounds=0)
     with pytest.raises(ValueError, match="max_gap"):
         DraftingMode(epoch_rounds=4, explore_every=8, max_gap=4)
+
+
+def test_a_subset_of_modes_starts_with_its_first_and_never_runs_the_others():
+    """Where serial drafts queue (drafting_mode.QUEUED_MODES) the tables take no part."""
+    d = DraftingMode(epoch_rounds=2, explore_every=3, modes=("serial", "none"))
+    speed = {"serial": (30, 0.012), "none": (10, 0.008)}
+    modes = [run_epoch(d, *speed[d.mode]) for _ in range(12)]
+    assert modes[:2] == ["serial", "none"] and set(modes) == {"serial", "none"}
+    assert set(d.rate) == {"serial", "none"} and modes.count("serial") > modes.count("none")
+
+
+@pytest.mark.parametrize("modes", [(), ("serial", "serial"), ("serial", "fast")])
+def test_modes_must_be_distinct_known_ones(modes):
+    with pytest.raises(ValueError, match="modes must be distinct"):
+        DraftingMode(epoch_rounds=2, modes=modes)

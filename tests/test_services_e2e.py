@@ -28,7 +28,7 @@ from specwire import grpc_common, step_socket
 from specwire.config import ModelConfig
 from specwire.default_model import default_model_path
 from specwire.engine import TargetEngine
-from specwire.metrics import DrafterMetrics, VerifierMetrics
+from specwire.metrics import DRAFTING_MODES, DrafterMetrics, VerifierMetrics
 from specwire.tokenizer import load_tokenizer
 from specwire.v1 import drafter_pb2 as dpb
 from specwire.v1 import drafter_pb2_grpc, generation_pb2_grpc
@@ -159,7 +159,7 @@ class Verifier:
                  table_wait: float | None = 5.0, just_in_time_wait: float | None = 5.0,
                  max_waiting: int = 64, drafting_epoch: int = 0, drafter_socket: str | None = None,
                  max_message_bytes: int = grpc_common.DEFAULT_MAX_MESSAGE_BYTES,
-                 queue_drafts: bool | None = None):
+                 queue_drafts: bool | None = None, drafting_modes: tuple[str, ...] | None = None):
         self.loop, self.metrics = loop, VerifierMetrics()
         self.engine = TargetEngine(checkpoint=checkpoint, device=device, dtype=torch.float32,
                                    max_slots=max_slots, max_context=MAX_CONTEXT)
@@ -171,7 +171,8 @@ class Verifier:
             scheduler=SchedulerConfig(num_speculative_tokens=K, max_waiting=max_waiting,
                                       default_max_tokens=16, cache_branches=cache_branches,
                                       table_wait=table_wait, just_in_time_wait=just_in_time_wait,
-                                      drafting_epoch=drafting_epoch, queue_drafts=queue_drafts),
+                                      drafting_epoch=drafting_epoch, drafting_modes=drafting_modes,
+                                      queue_drafts=queue_drafts),
             model_name="tiny",
         )
         link = (colocated(checkpoint, tokenizer, self.metrics, inline=drafter_port == "colocated-inline",
@@ -643,26 +644,29 @@ def test_queued_drafts_lost_to_a_drafter_fault_cost_no_request(world, drafting):
         v.close()
 
 
-@pytest.mark.parametrize("sampling, device", [
-    ({}, "cpu"), ({"temperature": 0.3, "top_p": 0.9, "seed": 779}, "cpu"),
-    pytest.param({}, "cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
-                                                                       reason="needs CUDA")]),
-], ids=["greedy", "seeded", "greedy_cuda"])
-def test_adaptive_drafting_queues_its_serial_epochs_exactly(world, sampling, device):
+@pytest.mark.parametrize("sampling, device, modes", [
+    ({}, "cpu", DRAFTING_MODES), ({"temperature": 0.3, "top_p": 0.9, "seed": 779}, "cpu", DRAFTING_MODES),
+    ({}, "cpu", None),
+    pytest.param({}, "cuda", DRAFTING_MODES, marks=[
+        pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]),
+], ids=["greedy", "seeded", "greedy_default_modes", "greedy_cuda"])
+def test_adaptive_drafting_queues_its_serial_epochs_exactly(world, sampling, device, modes):
     """Epochs of three rounds (tables, serial, none, then the fastest, switching back and forth): a serial
     epoch queues its drafts behind the sampler but in its last round, so that whatever mode follows starts
     with none queued. Output stays target-only's, greedy or seeded-sampled, with more requests than slots.
-    (Table hits are not asserted: how many table rounds run follows the measured speed.)"""
+    By default (modes None) the tables take no part where drafts queue. (Table hits are not asserted: how
+    many table rounds run follows the measured speed.)"""
     batch = prompts(8, seed=45)
     v = Verifier(world.loop, world.checkpoint, world.tokenizer, "colocated-inline", drafting_epoch=3,
-                 queue_drafts=True, max_slots=3, device=device)
+                 queue_drafts=True, max_slots=3, device=device, drafting_modes=modes)
     try:
         results = [r[0] for r in generate_all(v, batch, max_tokens=24, **sampling)]
         if sampling:
             assert results == seeded_reference(world.checkpoint, batch, 24, 0.3, 0.9, 779)
         else:
             assert results == greedy_reference(world.checkpoint, batch, 24, device)
-        assert all(v.counter(v.metrics.drafting_rounds[m]) > 0 for m in ("tables", "serial", "none"))
+        ran = {m for m in DRAFTING_MODES if v.counter(v.metrics.drafting_rounds[m]) > 0}
+        assert ran == set(modes or ("serial", "none")), ran
         serial_rounds = v.counter(v.metrics.drafting_rounds["serial"])
         queued = v.counter(v.metrics.queued_drafts)
         assert 0 < queued <= 3 * serial_rounds, (queued, serial_rounds)  # queued in serial rounds only

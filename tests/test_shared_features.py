@@ -38,7 +38,7 @@ from test_colocated_features import (
 )
 
 from specwire import grpc_common
-from specwire.metrics import DrafterMetrics, VerifierMetrics
+from specwire.metrics import DRAFTING_MODES, DrafterMetrics, VerifierMetrics
 from specwire.sampling_params import SamplingParams
 from specwire.shared_features import describe, host_id, open_table
 from specwire.stream_values import HostSlot
@@ -101,11 +101,12 @@ async def serving(service, listen: str = "127.0.0.1:0"):
 
 async def generate_over_grpc(service, engine, cache_branches: int, metrics: VerifierMetrics,
                              max_tokens: int = MAX_TOKENS, queue_drafts: bool = False,
-                             drafting_epoch: int = 0):
+                             drafting_epoch: int = 0, drafting_modes: tuple[str, ...] | None = None):
     async with serving(service) as target:
         link = DrafterLink(target, metrics, step_timeout=5.0, share_from=engine.device)
         return link, await generate(engine, link, cache_branches, queue_drafts, max_tokens=max_tokens,
-                                    drafting_epoch=drafting_epoch, metrics=metrics)
+                                    drafting_epoch=drafting_epoch, drafting_modes=drafting_modes,
+                                    metrics=metrics)
 
 
 @pytest.mark.parametrize("cache_branches", [0, 4], ids=["serial", "tables"])
@@ -152,10 +153,12 @@ def test_drafts_queued_behind_the_sampler_across_processes_read_what_it_settled(
     assert outputs == reference
 
 
-def test_an_adaptive_verifier_queues_its_serial_epochs_across_processes(in_process_mapping):
+@pytest.mark.parametrize("modes", [DRAFTING_MODES, None], ids=["all_modes", "default_modes"])
+def test_an_adaptive_verifier_queues_its_serial_epochs_across_processes(in_process_mapping, modes):
     """The adaptive drafting mode (epochs of 3 rounds of tables, serial drafting, none) queues its serial
     epochs' drafts behind the sampler over the real link: the drafter is still handed the target's features
-    of every token, through table, serial, queued and draftless rounds alike."""
+    of every token, through table, serial, queued and draftless rounds alike. By default (modes None) the
+    tables take no part once the drafter says it queues."""
     config, sd, head, engine, proposer, handed = recording_drafter("cpu", "cpu", 4, 0)
     queued = recording_queued(proposer, handed)
     service = drafter_service(proposer, config)
@@ -163,10 +166,11 @@ def test_an_adaptive_verifier_queues_its_serial_epochs_across_processes(in_proce
     service.info.queues_drafts = True
     metrics = VerifierMetrics()
     link, (outputs, _) = asyncio.run(generate_over_grpc(service, engine, 4, metrics, queue_drafts=True,
-                                                        drafting_epoch=3))
+                                                        drafting_epoch=3, drafting_modes=modes))
     assert queued, "no drafts were queued behind a sampler"
     assert link.epoch == 1 and metrics.bad_payloads.labels(reason="link_error")._value.get() == 0
-    assert all(metrics.drafting_rounds[m]._value.get() > 0 for m in ("tables", "serial", "none"))
+    ran = {m for m in DRAFTING_MODES if metrics.drafting_rounds[m]._value.get() > 0}
+    assert ran == set(modes or ("serial", "none")), ran
     assert_handed_the_target_features(handed, outputs, config, sd, head, "cpu")
 
 

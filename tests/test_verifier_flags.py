@@ -34,8 +34,20 @@ def test_environment_sets_the_drafting_epoch(monkeypatch):
     assert verifier_flags("--drafter", "127.0.0.1:50052").drafting_epoch == 0
 
 
+def test_drafting_modes_are_chosen_at_connect_unless_named(monkeypatch):
+    """None: the scheduler picks them when the drafter connects (serial and none where drafts queue)."""
+    assert verifier_flags("--drafter", "127.0.0.1:50052").drafting_modes is None
+    assert verifier_flags("--drafter", "127.0.0.1:50052", "--drafting-modes", "serial,none"
+                          ).drafting_modes == ("serial", "none")
+    monkeypatch.setenv("SPECWIRE_DRAFTING_MODES", "none, tables")
+    assert verifier_flags("--drafter", "127.0.0.1:50052").drafting_modes == ("none", "tables")
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--drafter", "127.0.0.1:50052", "--drafting-epoch", "-1"], "--drafting-epoch must be >= 0"),
+    (["--drafter", "127.0.0.1:50052", "--drafting-modes", "serial,serial"], "--drafting-modes must be"),
+    (["--drafter", "127.0.0.1:50052", "--drafting-modes", "tables,fast"], "--drafting-modes must be"),
+    (["--drafter", "127.0.0.1:50052", "--drafting-modes", ""], "--drafting-modes must be"),
     (["--drafter", "127.0.0.1:50052", "--cache-branches", "-2"], "--cache-branches must be >= 0"),
     (["--colocated", "--drafter", "127.0.0.1:50052"], "leave out --drafter"),
 ])

@@ -12,6 +12,7 @@ from specwire.verifier.drafting_mode import DEFAULT_EPOCH_ROUNDS
 
 from specwire import grpc_common
 from specwire.config import default_aux_layers
+from specwire.metrics import DRAFTING_MODES
 
 log = logging.getLogger("specwire.verifier")
 
@@ -77,6 +78,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "where no drafting pays; 0 = tables always; default 16 for a remote drafter: "
                              "the best mode or within 0.04x of it at every point of two runs, SmolLM2 on two "
                              "H200s, bench/results/session31/)")
+    parser.add_argument("--drafting-modes", default=env("SPECWIRE_DRAFTING_MODES", None), metavar="MODES",
+                        help="with --drafting-epoch: the modes it chooses from, comma-separated, the first "
+                             "run first (tables, serial, none; default all three, but where serial drafts "
+                             "are queued behind the sampler (--queue-drafts) serial,none: queued serial "
+                             "rounds beat the tables there, bench/results/session35/)")
     parser.add_argument("--queue-drafts", choices=("auto", "on", "off"),
                         default=env("SPECWIRE_QUEUE_DRAFTS", "auto"),
                         help="with serial drafting (--cache-branches 0, or the serial epochs of "
@@ -179,6 +185,12 @@ def check_flags(args: argparse.Namespace) -> None:
         args.drafting_epoch = DEFAULT_EPOCH_ROUNDS if args.cache_branches > 0 and not args.colocated else 0
     if args.drafting_epoch < 0:
         raise ValueError(f"--drafting-epoch must be >= 0, got {args.drafting_epoch}")
+    if args.drafting_modes is not None:
+        modes = tuple(m.strip() for m in args.drafting_modes.split(","))
+        if len(set(modes)) != len(modes) or not set(modes) <= set(DRAFTING_MODES):
+            raise ValueError(f"--drafting-modes must be distinct ones of {', '.join(DRAFTING_MODES)}, got "
+                             f"{args.drafting_modes!r}")
+        args.drafting_modes = modes
     if args.stream_interval < 1:
         raise ValueError(f"--stream-interval must be >= 1, got {args.stream_interval}")
     if not 0 <= args.admit_wait_ms <= 10_000:
@@ -218,7 +230,7 @@ async def serve(args: argparse.Namespace) -> None:
                                   default_max_tokens=args.default_max_tokens, draft_top_k=args.draft_top_k,
                                   cache_branches=args.cache_branches,
                                   table_wait=table_wait, just_in_time_wait=jit_wait,
-                                  drafting_epoch=args.drafting_epoch,
+                                  drafting_epoch=args.drafting_epoch, drafting_modes=args.drafting_modes,
                                   forced_acceptance=forced,
                                   forced_hit_rate=args.forced_hit_rate,
                                   stream_interval=args.stream_interval,

@@ -32,17 +32,28 @@ from specwire.metrics import DRAFTING_MODES as MODES  # ("tables", "serial", "no
 # measured before session 34's serial epochs queued their drafts, not since).
 DEFAULT_EPOCH_ROUNDS = 16
 
+# The modes where serial drafts are queued on the drafter's device behind each sampler (a same-host drafter
+# process that maps the features): a queued serial round beat the rounds with tables, SmolLM2 over the step
+# socket on two H200s, T = 0, serial alone 1.47x-1.57x / 1.36x-1.40x of target-only against 1.33x-1.46x /
+# 1.15x-1.22x for all three modes (batch 1 / 16, three runs; bench/results/session35/). Rounds without drafts
+# stay in: sampled requests there ran at 0.73x / 0.53x serially, 1.00x / 0.78x mostly without drafts.
+QUEUED_MODES = ("serial", "none")
+
 
 class DraftingMode:
-    def __init__(self, epoch_rounds: int, explore_every: int = 8, max_gap: int = 64):
+    def __init__(self, epoch_rounds: int, explore_every: int = 8, max_gap: int = 64,
+                 modes: tuple[str, ...] = MODES):
+        """modes: those taking part, the first run first."""
         if epoch_rounds < 1 or explore_every < 2 or max_gap < explore_every:
             raise ValueError(f"epoch_rounds must be >= 1, explore_every >= 2 and max_gap >= explore_every, "
                              f"got {epoch_rounds}, {explore_every}, {max_gap}")
+        if not modes or len(set(modes)) != len(modes) or not set(modes) <= set(MODES):
+            raise ValueError(f"modes must be distinct ones of {MODES}, got {modes}")
         self.epoch_rounds, self.explore_every, self.max_gap = epoch_rounds, explore_every, max_gap
-        self.mode = "tables"
-        self.rate: dict[str, float | None] = dict.fromkeys(MODES)  # tokens per request-second, per mode
-        self._last = dict.fromkeys(MODES, 0)  # the epoch each mode last ran in
-        self._gap = dict.fromkeys(MODES, explore_every)  # epochs from a mode's last run to its next retry
+        self.modes, self.mode = modes, modes[0]
+        self.rate: dict[str, float | None] = dict.fromkeys(modes)  # tokens per request-second, per mode
+        self._last = dict.fromkeys(modes, 0)  # the epoch each mode last ran in
+        self._gap = dict.fromkeys(modes, explore_every)  # epochs from a mode's last run to its next retry
         self._retrying = False  # the current epoch runs a mode that was not the fastest
         self._epochs = self._rounds = self._tokens = 0
         self._request_seconds = 0.0
@@ -76,15 +87,15 @@ class DraftingMode:
         self.mode = self._next()
 
     def _fastest(self) -> str:
-        return max((m for m in MODES if self.rate[m] is not None), key=lambda m: self.rate[m])
+        return max((m for m in self.modes if self.rate[m] is not None), key=lambda m: self.rate[m])
 
     def _next(self) -> str:
-        unmeasured = [m for m in MODES if self.rate[m] is None]
+        unmeasured = [m for m in self.modes if self.rate[m] is None]
         self._retrying = False
         if unmeasured:
             return unmeasured[0]
         best = self._fastest()
-        due = [m for m in MODES if m != best and self._epochs >= self._last[m] + self._gap[m]]
+        due = [m for m in self.modes if m != best and self._epochs >= self._last[m] + self._gap[m]]
         if not due:
             return best
         self._retrying = True

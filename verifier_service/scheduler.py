@@ -54,7 +54,7 @@ from specwire.verifier.alignment import (
     read_tables,
 )
 from specwire.verifier.drafter_link import DrafterLink, HandshakeRefused, QueuedDrafts
-from specwire.verifier.drafting_mode import DraftingMode
+from specwire.verifier.drafting_mode import MODES, QUEUED_MODES, DraftingMode
 from specwire.verifier.feature_store import FeatureStore
 
 from specwire import round_trace
@@ -208,6 +208,9 @@ class SchedulerConfig:
     # With tables and > 0: epochs of this many rounds drafted serially beside epochs with tables, keeping to
     # the faster (DraftingMode, measured tokens per second; serial wins where tables come late). 0 = tables.
     drafting_epoch: int = 0
+    # The modes drafting_epoch chooses from, the first run first. None: all three, but where serial drafts
+    # are queued behind the sampler (queue_drafts) serial drafting and none (drafting_mode.QUEUED_MODES).
+    drafting_modes: tuple[str, ...] | None = None
     forced_acceptance: tuple[float, ...] | None = None  # benchmarks only: acceptance rate per draft position
     # Benchmarks of synthetic targets only: this share of lookups is made to hit by replacing the settled
     # bonus token with that of an entry for the same number of accepted drafts (the output is then not the
@@ -283,7 +286,8 @@ class Scheduler:
         # Requests a "chains" step asked drafts for since the last table step: their table is asked for even
         # when those drafts came late (the drafter kept the chain, or applied the tokens without drafting).
         self._chains_asked: set[str] = set()
-        self._drafting = DraftingMode(config.drafting_epoch) if config.drafting_epoch > 0 else None
+        self._drafting = (DraftingMode(config.drafting_epoch, modes=config.drafting_modes or MODES)
+                          if config.drafting_epoch > 0 else None)
         self._unfinished: deque[tuple] = deque()  # verified rounds whose tokens are not streamed yet
         self._admit_at = 0.0  # when the waiting requests are due for prefill (config.admit_wait)
         # Admitted requests whose prompts the next verification carries (engine.carry_rows): taken by its
@@ -877,13 +881,18 @@ class Scheduler:
     def _queueable(self, live: list[Request], batch: BatchDrafts) -> list[int]:
         """Rows whose next drafts can be queued behind this round's sampler: the drafter drafted their last
         tokens (these drafts) and has been told nothing since."""
-        device = self.link.feature_device
-        asked = self._queue_asked if self._queue_asked is not None else (
-            self.link.queues_on_auto and device is not None and device.type == "cuda")
-        if not (asked and self.link.queues_drafts and self.link.can_queue()):
+        if not (self._queues_serial_drafts() and self.link.can_queue()):
             return []
         return [i for i, (r, k) in enumerate(zip(live, batch.num_drafts, strict=True))
                 if k and r.drafter_len == len(r.tokens) and self._num_drafts(r)]
+
+    def _queues_serial_drafts(self) -> bool:
+        """Serial drafts are queued behind the sampler with this drafter: asked for (by default where the
+        link says so and features live on a GPU) and the drafter can."""
+        device = self.link.feature_device
+        asked = self._queue_asked if self._queue_asked is not None else (
+            self.link.queues_on_auto and device is not None and device.type == "cuda")
+        return bool(asked and self.link.queues_drafts)
 
     def _read_drafts(self, result: dpb.DraftResult, wants: dict[str, Want]) -> dict[str, Drafts]:
         """The checked drafts of a serial step's answer, per request id; bad ones counted and left out."""
@@ -1182,6 +1191,10 @@ class Scheduler:
         self._frees.clear()
         self._in_flight = None
         self._queued_drafts = None
+        if self._drafting is not None:  # by default, which modes take part follows what this drafter can do
+            modes = self.config.drafting_modes or (QUEUED_MODES if self._queues_serial_drafts() else MODES)
+            if modes != self._drafting.modes:
+                self._drafting = DraftingMode(self.config.drafting_epoch, modes=modes)
         self._wake.set()
 
     def _drafter_room(self) -> int:
