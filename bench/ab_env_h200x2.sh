@@ -21,7 +21,7 @@ export CUDA_DEVICE_ORDER=PCI_BUS_ID  # cuda:N is NVML's GPU N (bench/gpu_busy.py
 status=0
 for round in $(seq "${ROUNDS:-2}"); do
     for value in $VALUES; do
-        dir="$OUT/${value}_$round"; mkdir -p "$dir"
+        dir="$OUT/${value//,/_}_$round"; mkdir -p "$dir"  # a comma (or +) in a name: the archive does not come back
         env "$VAR=$value" timeout "${RUN_TIMEOUT:-200}" python3 bench/bench_services.py "${model[@]}" \
             --drafter-device "${DRAFTER_DEVICE:-cuda:0}" --verifier-device "${VERIFIER_DEVICE:-cuda:1}" \
             --out-dir "$dir" --tag "ab" --commit "${SPECWIRE_COMMIT:-?}" "$@" > "$dir/bench.log" 2>&1 \
@@ -31,7 +31,7 @@ for round in $(seq "${ROUNDS:-2}"); do
     done
 done
 for value in $VALUES; do  # a call brings back at most 8 files: each run's folder travels as one archive
-    for dir in "$OUT/${value}"_*; do
+    for dir in "$OUT/${value//,/_}"_*; do
         [ -d "$dir" ] && tar -czf "$dir.tgz" -C "$OUT" "$(basename "$dir")" && rm -rf "$dir"
     done
 done
