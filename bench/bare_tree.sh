@@ -6,26 +6,29 @@
 #   carry [".devcarry/smol.part.aa", ".devcarry/smol.part.ab"]:  mkdir -p /root/m && cp .devcarry/smol.part.a? /root/m/
 #   carry [".devcarry/smol.part.ac"]:                             cp .devcarry/smol.part.ac /root/m/
 # (bench/join_model.sh takes whole parts as they are). `off` restores the index from HEAD and the ignore file.
-# Working files are never touched; `on` refuses while there are uncommitted changes.
+# `lean` keeps the tree but leaves bench/results/ behind (the tree passed the 64 MiB a call carries in session 35);
+# `off` restores either. Working files are never touched; `on` and `lean` refuse while there are uncommitted
+# changes.
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
 exclude=.git/info/exclude
 case "${1:-}" in
-on)
-    [ -f $exclude.bare ] && { echo "already bare (bench/bare_tree.sh off restores)"; exit 0; }
+on|lean)
+    [ -f $exclude.bare ] && { echo "already bare or lean (bench/bare_tree.sh off restores)"; exit 0; }
     git diff --quiet && git diff --cached --quiet || { echo "uncommitted changes: commit them first" >&2; exit 1; }
     touch $exclude && cp $exclude $exclude.bare
-    echo '*' >> $exclude
-    git rm -r -q --cached .
-    echo "bare: $(git ls-files | wc -l) files travel"
+    if [ "$1" = on ]; then left='*' gone=.; else left=bench/results/ gone=bench/results; fi
+    echo "$left" >> $exclude
+    git rm -r -q --cached "$gone"
+    echo "$1: $(git ls-files | wc -l) files travel"
     ;;
 off)
-    [ -f $exclude.bare ] || { echo "not bare"; exit 0; }
+    [ -f $exclude.bare ] || { echo "not bare or lean"; exit 0; }
     mv $exclude.bare $exclude
     git reset -q
     echo "restored: $(git ls-files | wc -l) files tracked; git status:"; git status --short | head
     ;;
 *)
-    echo "usage: bench/bare_tree.sh on|off" >&2; exit 2
+    echo "usage: bench/bare_tree.sh on|lean|off" >&2; exit 2
     ;;
 esac
