@@ -20,20 +20,6 @@ class DraftSample(NamedTuple):
     full_q: torch.Tensor | None  # [B, V] float32: untruncated q at the row's temperature
 
 
-def top_k_rows(x: torch.Tensor, k: int, width: int = 1024) -> torch.Tensor:
-    """x.topk(k, dim=-1), values descending, in two stages where rows are long: each `width`-long chunk's top
-    k, then the top k of those (every one of a row's k largest is among its chunk's k largest). For one
-    long row torch.topk runs a single thread block (72 us a call for 16,384 logits on an H200,
-    bench/results/session35/); chunks spread it over many."""
-    B, V = x.shape
-    if V % width or width < k or V // width < 4:
-        return x.topk(k, dim=-1)
-    values, indices = x.view(B, V // width, width).topk(k, dim=-1)  # [B, chunks, k]
-    indices = indices + torch.arange(0, V, width, device=x.device)[:, None]
-    top, picked = values.flatten(1).topk(k, dim=-1)
-    return torch.return_types.topk((top, indices.flatten(1).gather(1, picked)))
-
-
 def sample_drafts(
     logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, max_top_k: int, mode: str = "full"
 ) -> DraftSample:
