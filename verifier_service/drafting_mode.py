@@ -24,7 +24,11 @@ reads a little fast instead.)
 
 from __future__ import annotations
 
+import logging
+
 from specwire.metrics import DRAFTING_MODES as MODES  # ("tables", "serial", "none"): the metric's labels
+
+log = logging.getLogger("specwire.verifier")
 
 # A remote drafter's verifier's default epoch (--drafting-epoch): long enough to measure, short enough that a
 # bench point of a few hundred rounds tries every mode. The best mode or within 0.04x of it at every point of
@@ -76,6 +80,8 @@ class DraftingMode:
         rate = self._tokens / max(self._request_seconds, 1e-9)
         old = self.rate[self.mode]
         self.rate[self.mode] = rate if old is None else 0.5 * (old + rate)
+        log.debug("drafting epoch %d: %s, %d tokens in %.2f ms per request, %.0f tokens per request-second",
+                  self._epochs, self.mode, self._tokens, 1e3 * self._request_seconds, rate)
         if self._fastest() == self.mode:
             self._gap[self.mode] = self.explore_every
         elif self._retrying:
