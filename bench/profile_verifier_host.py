@@ -106,12 +106,12 @@ OWNERS = {  # function name -> a path fragment of its file, to tell apart same-n
 def start_verifier(loop: Loop, checkpoint, tokenizer, drafter_port: int | None, device: str, k: int,
                    max_slots: int, cache_branches: int = SchedulerConfig.cache_branches,
                    drafter_socket: str | None = None, in_process: bool = False, drafting_epoch: int = 0,
-                   queue_drafts: bool | None = None
+                   queue_drafts: bool | None = None, stream_interval: int = 1
                    ) -> tuple[VerifierServer, generation_pb2_grpc.GenerationStub]:
     """As `specwire verifier` builds it: CUDA graphs for decode and for verify rows of 1 + k tokens.
     drafter_port None: target-only, unless in_process (the drafter in this process, on the CPU);
     drafter_socket: the Draft stream over the drafter's step socket; drafting_epoch and queue_drafts as
-    SchedulerConfig's."""
+    SchedulerConfig's, as is stream_interval."""
     engine = TargetEngine(checkpoint=checkpoint, device=device, dtype=torch.float32, max_slots=max_slots,
                           max_context=MAX_CONTEXT, max_verify_tokens=k + 1)
     drafter = None if drafter_port is None else f"127.0.0.1:{drafter_port}"
@@ -120,7 +120,8 @@ def start_verifier(loop: Loop, checkpoint, tokenizer, drafter_port: int | None, 
                                 scheduler=SchedulerConfig(num_speculative_tokens=k, max_waiting=64,
                                                           cache_branches=cache_branches,
                                                           drafting_epoch=drafting_epoch,
-                                                          queue_drafts=queue_drafts))
+                                                          queue_drafts=queue_drafts,
+                                                          stream_interval=stream_interval))
 
     async def start() -> tuple[VerifierServer, int]:  # grpc.aio objects belong to the loop they are made on
         metrics = VerifierMetrics()
@@ -238,6 +239,8 @@ def main() -> int:
                    help="the Draft stream over the drafter's Unix step socket instead of gRPC")
     p.add_argument("--colocated", action="store_true",
                    help="the drafter in the verifier's process (serial steps on its loop); on the CPU")
+    p.add_argument("--stream-interval", type=int, default=1,
+                   help="the verifier's --stream-interval (tokens a stream's chunk gathers; default 1)")
     p.add_argument("--timer", choices=("cpu", "wall", "off"), default="cpu")
     p.add_argument("--switch-interval", type=float, default=grpc_common.DEFAULT_SWITCH_INTERVAL,
                    help="sys.setswitchinterval, as the services set it (default %(default)s s)")
@@ -269,7 +272,8 @@ def main() -> int:
                                   cache_branches=args.cache_branches, drafter_socket=socket_path,
                                   in_process=args.colocated and not args.target_only,
                                   drafting_epoch=args.drafting_epoch,
-                                  queue_drafts={"on": True, "off": False}.get(args.queue_drafts))
+                                  queue_drafts={"on": True, "off": False}.get(args.queue_drafts),
+                                  stream_interval=args.stream_interval)
     scheduler = server.scheduler
     deadline = time.time() + 30
     while (drafter or args.colocated) and not scheduler.speculating:
