@@ -8,11 +8,10 @@ import dataclasses
 import logging
 
 from specwire.drafter.cli import add_min_confidence_argument
-from specwire.verifier.drafting_mode import DEFAULT_EPOCH_ROUNDS
+from specwire.verifier.drafting_mode import DEFAULT_EPOCH_ROUNDS, check_modes
 
 from specwire import grpc_common
 from specwire.config import default_aux_layers
-from specwire.metrics import DRAFTING_MODES
 
 log = logging.getLogger("specwire.verifier")
 
@@ -186,11 +185,8 @@ def check_flags(args: argparse.Namespace) -> None:
     if args.drafting_epoch < 0:
         raise ValueError(f"--drafting-epoch must be >= 0, got {args.drafting_epoch}")
     if args.drafting_modes is not None:
-        modes = tuple(m.strip() for m in args.drafting_modes.split(","))
-        if len(set(modes)) != len(modes) or not set(modes) <= set(DRAFTING_MODES):
-            raise ValueError(f"--drafting-modes must be distinct ones of {', '.join(DRAFTING_MODES)}, got "
-                             f"{args.drafting_modes!r}")
-        args.drafting_modes = modes
+        args.drafting_modes = tuple(m.strip() for m in args.drafting_modes.split(","))
+        check_modes(args.drafting_modes, "--drafting-modes")
     if args.stream_interval < 1:
         raise ValueError(f"--stream-interval must be >= 1, got {args.stream_interval}")
     if not 0 <= args.admit_wait_ms <= 10_000:

@@ -44,6 +44,12 @@ DEFAULT_EPOCH_ROUNDS = 16
 QUEUED_MODES = ("serial", "none")
 
 
+def check_modes(modes: tuple[str, ...], name: str) -> None:
+    """Raises ValueError, naming `name`, unless `modes` are one or more distinct ones of MODES."""
+    if not modes or len(set(modes)) != len(modes) or not set(modes) <= set(MODES):
+        raise ValueError(f"{name} must be distinct ones of {', '.join(MODES)}, got {modes}")
+
+
 class DraftingMode:
     def __init__(self, epoch_rounds: int, explore_every: int = 8, max_gap: int = 64,
                  modes: tuple[str, ...] = MODES):
@@ -51,8 +57,7 @@ class DraftingMode:
         if epoch_rounds < 1 or explore_every < 2 or max_gap < explore_every:
             raise ValueError(f"epoch_rounds must be >= 1, explore_every >= 2 and max_gap >= explore_every, "
                              f"got {epoch_rounds}, {explore_every}, {max_gap}")
-        if not modes or len(set(modes)) != len(modes) or not set(modes) <= set(MODES):
-            raise ValueError(f"modes must be distinct ones of {MODES}, got {modes}")
+        check_modes(modes, "modes")
         self.epoch_rounds, self.explore_every, self.max_gap = epoch_rounds, explore_every, max_gap
         self.modes, self.mode = modes, modes[0]
         self.rate: dict[str, float | None] = dict.fromkeys(modes)  # tokens per request-second, per mode

@@ -286,7 +286,7 @@ class Scheduler:
         # Requests a "chains" step asked drafts for since the last table step: their table is asked for even
         # when those drafts came late (the drafter kept the chain, or applied the tokens without drafting).
         self._chains_asked: set[str] = set()
-        self._drafting = (DraftingMode(config.drafting_epoch, modes=config.drafting_modes or MODES)
+        self._drafting = (DraftingMode(config.drafting_epoch, modes=self._drafting_modes())
                           if config.drafting_epoch > 0 else None)
         self._unfinished: deque[tuple] = deque()  # verified rounds whose tokens are not streamed yet
         self._admit_at = 0.0  # when the waiting requests are due for prefill (config.admit_wait)
@@ -886,6 +886,13 @@ class Scheduler:
         return [i for i, (r, k) in enumerate(zip(live, batch.num_drafts, strict=True))
                 if k and r.drafter_len == len(r.tokens) and self._num_drafts(r)]
 
+    def _drafting_modes(self) -> tuple[str, ...]:
+        """The modes the adaptive drafting chooses from: the configured ones, else by what this drafter can
+        do (a drafter that has not connected yet queues nothing)."""
+        if self.config.drafting_modes:
+            return self.config.drafting_modes
+        return QUEUED_MODES if self.link is not None and self._queues_serial_drafts() else MODES
+
     def _queues_serial_drafts(self) -> bool:
         """Serial drafts are queued behind the sampler with this drafter: asked for (by default where the
         link says so and features live on a GPU) and the drafter can."""
@@ -1191,10 +1198,8 @@ class Scheduler:
         self._frees.clear()
         self._in_flight = None
         self._queued_drafts = None
-        if self._drafting is not None:  # by default, which modes take part follows what this drafter can do
-            modes = self.config.drafting_modes or (QUEUED_MODES if self._queues_serial_drafts() else MODES)
-            if modes != self._drafting.modes:
-                self._drafting = DraftingMode(self.config.drafting_epoch, modes=modes)
+        if self._drafting is not None and (modes := self._drafting_modes()) != self._drafting.modes:
+            self._drafting = DraftingMode(self.config.drafting_epoch, modes=modes)
         self._wake.set()
 
     def _drafter_room(self) -> int:
