@@ -644,13 +644,17 @@ def test_queued_drafts_lost_to_a_drafter_fault_cost_no_request(world, drafting):
         v.close()
 
 
-@pytest.mark.parametrize("sampling, device, modes", [
-    ({}, "cpu", DRAFTING_MODES), ({"temperature": 0.3, "top_p": 0.9, "seed": 779}, "cpu", DRAFTING_MODES),
-    ({}, "cpu", None),
-    pytest.param({}, "cuda", DRAFTING_MODES, marks=[
+# With serial and none only (the default where drafts queue), the measured speeds may let so few serial
+# rounds run that the tiny head gets none of its drafts accepted (CI, once): there, drafts verified is
+# what is asserted; with all three modes, accepted drafts too.
+@pytest.mark.parametrize("sampling, device, modes, accepts", [
+    ({}, "cpu", DRAFTING_MODES, True),
+    ({"temperature": 0.3, "top_p": 0.9, "seed": 779}, "cpu", DRAFTING_MODES, True),
+    ({}, "cpu", None, False),
+    pytest.param({}, "cuda", DRAFTING_MODES, True, marks=[
         pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]),
 ], ids=["greedy", "seeded", "greedy_default_modes", "greedy_cuda"])
-def test_adaptive_drafting_queues_its_serial_epochs_exactly(world, sampling, device, modes):
+def test_adaptive_drafting_queues_its_serial_epochs_exactly(world, sampling, device, modes, accepts):
     """Epochs of three rounds (tables, serial, none, then the fastest, switching back and forth): a serial
     epoch queues its drafts behind the sampler but in its last round, so that whatever mode follows starts
     with none queued. Output stays target-only's, greedy or seeded-sampled, with more requests than slots.
@@ -670,9 +674,8 @@ def test_adaptive_drafting_queues_its_serial_epochs_exactly(world, sampling, dev
         serial_rounds = v.counter(v.metrics.drafting_rounds["serial"])
         queued = v.counter(v.metrics.queued_drafts)
         assert 0 < queued <= 3 * serial_rounds, (queued, serial_rounds)  # queued in serial rounds only
-        # drafts were verified (how many the tiny head gets accepted follows how many serial rounds the
-        # measured speeds let run: with serial and none only, in CI once, none)
         assert v.counter(v.metrics.num_draft_tokens) > 0
+        assert v.counter(v.metrics.num_accepted_tokens) > 0 or not accepts
         # none refused: a row the drafter holds with a chain kept (tokens pending) cannot be queued
         assert v.counter(v.metrics.bad_payloads, reason="unknown_request") == 0
         assert v.counter(v.metrics.bad_payloads, reason="link_error") == 0
