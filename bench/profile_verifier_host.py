@@ -49,11 +49,23 @@ if not torch.cuda.is_available():
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
 from profile_verify_step import sample, timed  # noqa: E402
+from specwire.verifier.core_socket import SplitVerifier  # noqa: E402
+from specwire.verifier.frontend import command as frontend_command  # noqa: E402
 from specwire.verifier.scheduler import SchedulerConfig  # noqa: E402
 from specwire.verifier.server import VerifierServer, VerifierSettings  # noqa: E402
-from test_services_e2e import MAX_CONTEXT, Drafter, Loop, colocated, prompts, tiny_target  # noqa: E402
+from test_services_e2e import (  # noqa: E402
+    MAX_CONTEXT,
+    Drafter,
+    Loop,
+    colocated,
+    poll,
+    prompts,
+    serving,
+    tiny_target,
+)
 
 from specwire import grpc_common  # noqa: E402
+from specwire.commands.demo import free_port  # noqa: E402
 from specwire.default_model import default_model_path  # noqa: E402
 from specwire.engine import TargetEngine  # noqa: E402
 from specwire.metrics import VerifierMetrics  # noqa: E402
@@ -106,12 +118,13 @@ OWNERS = {  # function name -> a path fragment of its file, to tell apart same-n
 def start_verifier(loop: Loop, checkpoint, tokenizer, drafter_port: int | None, device: str, k: int,
                    max_slots: int, cache_branches: int = SchedulerConfig.cache_branches,
                    drafter_socket: str | None = None, in_process: bool = False, drafting_epoch: int = 0,
-                   queue_drafts: bool | None = None, stream_interval: int = 1
-                   ) -> tuple[VerifierServer, generation_pb2_grpc.GenerationStub]:
+                   queue_drafts: bool | None = None, stream_interval: int = 1, frontend: str = "inline"
+                   ) -> tuple[VerifierServer | SplitVerifier, generation_pb2_grpc.GenerationStub]:
     """As `specwire verifier` builds it: CUDA graphs for decode and for verify rows of 1 + k tokens.
     drafter_port None: target-only, unless in_process (the drafter in this process, on the CPU);
     drafter_socket: the Draft stream over the drafter's step socket; drafting_epoch and queue_drafts as
-    SchedulerConfig's, as is stream_interval."""
+    SchedulerConfig's, as is stream_interval; frontend "process": the client streams served by a
+    `specwire verifier-frontend` process, as `specwire verifier --frontend process` runs."""
     engine = TargetEngine(checkpoint=checkpoint, device=device, dtype=torch.float32, max_slots=max_slots,
                           max_context=MAX_CONTEXT, max_verify_tokens=k + 1)
     drafter = None if drafter_port is None else f"127.0.0.1:{drafter_port}"
@@ -123,14 +136,37 @@ def start_verifier(loop: Loop, checkpoint, tokenizer, drafter_port: int | None, 
                                                           queue_drafts=queue_drafts,
                                                           stream_interval=stream_interval))
 
-    async def start() -> tuple[VerifierServer, int]:  # grpc.aio objects belong to the loop they are made on
+    async def start() -> tuple[VerifierServer | SplitVerifier, int]:  # grpc.aio objects live on their loop
         metrics = VerifierMetrics()
-        server = VerifierServer(grpc_common.ServerOptions(listen="127.0.0.1:0"), settings, metrics)
         link = colocated(checkpoint, tokenizer, metrics, inline=True) if in_process else None
+        if frontend == "process":
+            options = grpc_common.ServerOptions(listen=f"127.0.0.1:{free_port()}")
+            split = SplitVerifier(options, settings, metrics, frontend_command(options, "WARNING", "text"))
+            await split.start_frontend()
+            await split.serve(engine, tokenizer, link, settings.model_name)
+            return split, int(options.listen.rsplit(":", 1)[1])
+        server = VerifierServer(grpc_common.ServerOptions(listen="127.0.0.1:0"), settings, metrics)
         return server, await server.start(engine, tokenizer, link)
 
     server, port = loop.run(start())
-    return server, generation_pb2_grpc.GenerationStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    poll(lambda: serving(channel), timeout=60, what="the verifier SERVING")
+    return server, generation_pb2_grpc.GenerationStub(channel)
+
+
+def stop_verifier(loop: Loop, server: VerifierServer | SplitVerifier) -> None:
+    if isinstance(server, SplitVerifier):
+        server.drain()
+        loop.run(server.process.wait())
+        loop.run(server.close())
+    else:
+        loop.run(server.stop(0))
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """User + system CPU of another process so far (/proc/PID/stat)."""
+    fields = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def generate(stub, prompt: list[int], max_tokens: int) -> int:
@@ -241,6 +277,9 @@ def main() -> int:
                    help="the drafter in the verifier's process (serial steps on its loop); on the CPU")
     p.add_argument("--stream-interval", type=int, default=1,
                    help="the verifier's --stream-interval (tokens a stream's chunk gathers; default 1)")
+    p.add_argument("--frontend", choices=("inline", "process"), default="inline",
+                   help="the verifier's --frontend: the client streams on its loop, or in a front-end "
+                        "process (whose CPU a round is then reported beside the threads')")
     p.add_argument("--timer", choices=("cpu", "wall", "off"), default="cpu")
     p.add_argument("--switch-interval", type=float, default=grpc_common.DEFAULT_SWITCH_INTERVAL,
                    help="sys.setswitchinterval, as the services set it (default %(default)s s)")
@@ -273,7 +312,7 @@ def main() -> int:
                                   in_process=args.colocated and not args.target_only,
                                   drafting_epoch=args.drafting_epoch,
                                   queue_drafts={"on": True, "off": False}.get(args.queue_drafts),
-                                  stream_interval=args.stream_interval)
+                                  stream_interval=args.stream_interval, frontend=args.frontend)
     scheduler = server.scheduler
     deadline = time.time() + 30
     while (drafter or args.colocated) and not scheduler.speculating:
@@ -291,13 +330,19 @@ def main() -> int:
     steps_before = metrics.num_draft_tokens._value.get(), metrics.num_accepted_tokens._value.get()
     rounds_before, verify_before = verify_rounds(metrics)
     os_threads = {"loop": verifier_loop.thread, "worker": next(iter(scheduler._worker._threads))}
+    frontend_pid = server.process.pid if args.frontend == "process" else None
     cpu_before = cpu_seconds(os_threads)
+    if frontend_pid:
+        cpu_before["frontend_process"] = process_cpu_seconds(frontend_pid)
     gaps = RoundGaps(scheduler)
     on_threads({name: threads[name] for name in profiles}, lambda name: profiles[name].enable())
     started = time.perf_counter()
     tokens = run_batches(stub, batch, args.streams, args.max_tokens)
     seconds = time.perf_counter() - started
-    cpu = {name: seconds_now - cpu_before[name] for name, seconds_now in cpu_seconds(os_threads).items()}
+    cpu_after = cpu_seconds(os_threads)
+    if frontend_pid:
+        cpu_after["frontend_process"] = process_cpu_seconds(frontend_pid)
+    cpu = {name: seconds_now - cpu_before[name] for name, seconds_now in cpu_after.items()}
     on_threads({name: threads[name] for name in profiles}, lambda name: profiles[name].disable())
 
     stats = {thread: pstats.Stats(prof) for thread, prof in profiles.items()}
@@ -345,7 +390,7 @@ def main() -> int:
         components[f"{thread}: thread total"] = 1e3 * s.total_tt / rounds
         print(f"{components[f'{thread}: thread total']:8.3f}  {thread}: thread total")
 
-    verifier_loop.run(server.stop(0))
+    stop_verifier(verifier_loop, server)
     if drafter:
         drafter.kill()
         drafter_loop.close()

@@ -18,6 +18,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("specwire.commands.generate", "target-only generation, in-process"),
     "drafter": ("specwire.drafter.cli", "run the drafter gRPC service"),
     "verifier": ("specwire.verifier.cli", "run the verifier gRPC service"),
+    "verifier-frontend": ("specwire.verifier.frontend",
+                          "the verifier's client-facing process (started by `verifier --frontend process`)"),
     "client": ("specwire.commands.client", "send a prompt to a running verifier"),
     "bench": ("specwire.commands.bench", "measure acceptance and speed"),
     "train-eagle": ("specwire.drafter.train_eagle", "train an EAGLE draft head"),

@@ -65,8 +65,13 @@ class MessageSocket:
 
     async def write(self, message: Message) -> None:
         self.write_now(message)
-        if self._writer.transport.get_write_buffer_size() > _HIGH_WATER:
+        if self.unread_bytes > _HIGH_WATER:
             await self._writer.drain()  # the reader is slow: wait rather than buffer without bound
+
+    @property
+    def unread_bytes(self) -> int:
+        """Bytes written that the other end has not taken yet."""
+        return self._writer.transport.get_write_buffer_size()
 
     def write_now(self, message: Message) -> None:
         """As write, for a caller on the loop that cannot wait: the socket takes the message at once (it is

@@ -29,7 +29,7 @@ def _regenerate(out: Path) -> None:
 
 
 def test_generated_code_matches_protos(tmp_path):
-    assert [p.name for p in PROTOS] == ["drafter.proto", "generation.proto"]
+    assert [p.name for p in PROTOS] == ["drafter.proto", "frontend.proto", "generation.proto"]
     _regenerate(tmp_path)
     fresh_dir = tmp_path / "specwire" / "v1"
     for proto in PROTOS:

@@ -6,14 +6,14 @@ be added (then appended to the lock); a renumbered, retyped or removed entry bre
 
 from pathlib import Path
 
-from specwire.v1 import drafter_pb2, generation_pb2
+from specwire.v1 import drafter_pb2, frontend_pb2, generation_pb2
 
 LOCK = Path(__file__).resolve().parents[1] / "proto" / "specwire" / "v1" / "fields.lock"
 
 
 def _current_entries() -> list[str]:
     entries = []
-    for module in (generation_pb2, drafter_pb2):
+    for module in (generation_pb2, drafter_pb2, frontend_pb2):
         for message in module.DESCRIPTOR.message_types_by_name.values():
             for f in message.fields:
                 label = "repeated" if f.is_repeated else "single"

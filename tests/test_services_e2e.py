@@ -16,15 +16,19 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from specwire.drafter.eagle_head import EagleHead, EagleHeadConfig
 from specwire.drafter.proposer import EagleProposer
 from specwire.drafter.server import DrafterService
 from specwire.kernels.rejection_sampler import rejection_sample
+from specwire.verifier import frontend
+from specwire.verifier.core_socket import SplitVerifier
 from specwire.verifier.drafter_link import LocalDrafterLink
 from specwire.verifier.scheduler import SchedulerConfig
 from specwire.verifier.server import VerifierServer, VerifierSettings
 
 from specwire import grpc_common, step_socket
+from specwire.commands.demo import free_port
 from specwire.config import ModelConfig
 from specwire.default_model import default_model_path
 from specwire.engine import TargetEngine
@@ -153,13 +157,25 @@ def colocated(checkpoint, tokenizer, metrics: VerifierMetrics, inline: bool = Fa
                             take=functools.partial(service.take_drafts, owned))
 
 
+def serving(channel: grpc.Channel) -> bool:
+    """Whether the server behind `channel` is up and says SERVING."""
+    try:
+        status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+    except grpc.RpcError:
+        return False
+    return status.status == health_pb2.HealthCheckResponse.SERVING
+
+
 class Verifier:
     def __init__(self, loop: Loop, checkpoint, tokenizer, drafter_port: int | str | None, max_slots: int = 16,
                  cache_branches: int = BRANCHES, step_timeout: float = 5.0, device: str = "cpu",
                  table_wait: float | None = 5.0, just_in_time_wait: float | None = 5.0,
                  max_waiting: int = 64, drafting_epoch: int = 0, drafter_socket: str | None = None,
                  max_message_bytes: int = grpc_common.DEFAULT_MAX_MESSAGE_BYTES,
-                 queue_drafts: bool | None = None, drafting_modes: tuple[str, ...] | None = None):
+                 queue_drafts: bool | None = None, drafting_modes: tuple[str, ...] | None = None,
+                 frontend: str = "inline"):
+        """frontend "process": the client streams go through a real `specwire verifier-frontend` process
+        this one starts (core_socket.SplitVerifier), as `specwire verifier --frontend process` runs."""
         self.loop, self.metrics = loop, VerifierMetrics()
         self.engine = TargetEngine(checkpoint=checkpoint, device=device, dtype=torch.float32,
                                    max_slots=max_slots, max_context=MAX_CONTEXT)
@@ -177,13 +193,25 @@ class Verifier:
         )
         link = (colocated(checkpoint, tokenizer, self.metrics, inline=drafter_port == "colocated-inline",
                           device=device) if str(drafter_port).startswith("colocated") else None)
-        self.port = loop.run(self._start(settings, tokenizer, link))
+        start = self._start_split if frontend == "process" else self._start
+        self.port = loop.run(start(settings, tokenizer, link))
         self.channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
         self.stub = generation_pb2_grpc.GenerationStub(self.channel)
+        if frontend == "process":
+            poll(lambda: serving(self.channel), timeout=60, what="the front-end process SERVING")
 
     async def _start(self, settings, tokenizer, link) -> int:
         self.server = VerifierServer(grpc_common.ServerOptions(listen="127.0.0.1:0"), settings, self.metrics)
         return await self.server.start(self.engine, tokenizer, link)
+
+    async def _start_split(self, settings, tokenizer, link) -> int:
+        port = free_port()
+        options = grpc_common.ServerOptions(listen=f"127.0.0.1:{port}")
+        command = frontend.command(options, "INFO", "text")
+        self.server = SplitVerifier(options, settings, self.metrics, command)
+        await self.server.start_frontend()
+        await self.server.serve(self.engine, tokenizer, link, settings.model_name)
+        return port
 
     def info(self) -> pb.ModelInfo:
         return self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
@@ -217,7 +245,12 @@ class Verifier:
 
     def close(self):
         self.channel.close()
-        self.loop.run(self.server.stop(0))
+        if isinstance(self.server, SplitVerifier):
+            self.server.drain()
+            self.loop.run(self.server.process.wait(), timeout=60)
+            self.loop.run(self.server.close())
+        else:
+            self.loop.run(self.server.stop(0))
 
 
 @pytest.fixture(scope="module")

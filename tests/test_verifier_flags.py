@@ -54,3 +54,13 @@ def test_drafting_modes_are_chosen_at_connect_unless_named(monkeypatch):
 def test_bad_flags_are_refused(argv, message):
     with pytest.raises(ValueError, match=message):
         verifier_flags(*argv)
+
+
+def test_the_front_end_process_is_chosen_by_flag_or_environment(monkeypatch):
+    assert verifier_flags().frontend == "inline"
+    assert verifier_flags("--frontend", "process").frontend == "process"
+    monkeypatch.setenv("SPECWIRE_FRONTEND", "process")
+    assert verifier_flags().frontend == "process"
+    monkeypatch.setenv("SPECWIRE_FRONTEND", "thread")
+    with pytest.raises(ValueError, match="--frontend must be inline or process, got 'thread'"):
+        verifier_flags()

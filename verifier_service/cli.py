@@ -121,6 +121,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         metavar="R",
                         help="benchmarks only: make this share of speculation-cache lookups hit by taking a "
                              "table entry's bonus token (the output is not the target's)")
+    parser.add_argument("--frontend", choices=("inline", "process"),
+                        default=env("SPECWIRE_FRONTEND", "inline"),
+                        help="where the client streams are served: on this process's event loop beside the "
+                             "scheduler (inline), or by a front-end process this one starts (`specwire "
+                             "verifier-frontend`) that relays them over a Unix socket, so their writes leave "
+                             "the loop that launches the verifications (env SPECWIRE_FRONTEND)")
     parser.add_argument("--metrics-port", type=int, default=env("SPECWIRE_METRICS_PORT", None),
                         help="serve Prometheus /metrics on this port (env SPECWIRE_METRICS_PORT)")
     grpc_common.add_logging_arguments(parser)
@@ -194,17 +200,22 @@ def check_flags(args: argparse.Namespace) -> None:
     if not 0 <= args.carry_rows <= 1024 or not 2 <= args.carry_width <= 64:
         raise ValueError(f"--carry-rows must be in [0, 1024] and --carry-width in [2, 64], got "
                          f"{args.carry_rows} and {args.carry_width}")
+    if args.frontend not in ("inline", "process"):  # argparse leaves a default (SPECWIRE_*) unchecked
+        raise ValueError(f"--frontend must be inline or process, got {args.frontend!r}")
     if args.forced_hit_rate is not None and not 0 <= args.forced_hit_rate <= 1:
         raise ValueError(f"--forced-hit-rate must be in [0, 1], got {args.forced_hit_rate}")
 
 
 async def serve(args: argparse.Namespace) -> None:
     from specwire.kernels.rejection_sampler import warm_up
+    from specwire.verifier.drafter_link import LocalDrafterLink
     from specwire.verifier.scheduler import SchedulerConfig
     from specwire.verifier.server import VerifierServer, VerifierSettings
 
+    from specwire.engine import TargetEngine
     from specwire.forced_acceptance import forced_rates, rates_tensor
     from specwire.metrics import VerifierMetrics
+    from specwire.tokenizer import Tokenizer
 
     check_flags(args)
     forced = None
@@ -233,9 +244,8 @@ async def serve(args: argparse.Namespace) -> None:
                                   admit_wait=args.admit_wait_ms / 1e3,
                                   queue_drafts={"on": True, "off": False}.get(args.queue_drafts)),
     )
-    server = VerifierServer(options, settings, metrics)
 
-    async def load() -> None:
+    async def load() -> tuple[TargetEngine, Tokenizer, LocalDrafterLink | None, str]:
         engine, tokenizer, name = await asyncio.to_thread(load_engine, args)
         # Triton compiles the sampler's variants now, with the forced rates the scheduler will pass, rather
         # than while a request waits.
@@ -253,13 +263,27 @@ async def serve(args: argparse.Namespace) -> None:
                 device=args.drafter_device,
                 k=args.k, max_branches=args.cache_branches, cuda_graphs=not args.no_cuda_graphs,
                 min_confidence=args.min_confidence, step_timeout=args.draft_timeout)
+        return engine, tokenizer, link, name
+
+    if args.frontend == "process":
+        from specwire.verifier import frontend
+        from specwire.verifier.core_socket import serve_core
+
+        command = frontend.command(options, args.log_level, args.log_format)
+        if await serve_core(options, settings, metrics, load, command):
+            raise SystemExit(1)
+        return
+    server = VerifierServer(options, settings, metrics)
+
+    async def ready() -> None:
+        engine, tokenizer, link, name = await load()
         server.service.model_name = name
         await server.start(engine, tokenizer, link)
         extra = {"model": name, "device": str(engine.device), "drafter": settings.drafter, "k": args.k}
         log.info("verifier ready", extra=extra)
 
     try:
-        await server.grpc.serve_forever(on_ready=load)
+        await server.grpc.serve_forever(on_ready=ready)
     finally:
         await server.stop()
 

@@ -37,7 +37,7 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import numpy as np
 import torch
@@ -56,6 +56,7 @@ from specwire.verifier.alignment import (
 from specwire.verifier.drafter_link import DrafterLink, HandshakeRefused, QueuedDrafts
 from specwire.verifier.drafting_mode import MODES, QUEUED_MODES, DraftingMode
 from specwire.verifier.feature_store import FeatureStore
+from specwire.verifier.request_error import RequestError, in_flight_already
 
 from specwire import round_trace
 from specwire.engine import TargetEngine
@@ -110,14 +111,6 @@ def _resolve(future: asyncio.Future) -> None:
         future.set_result(None)
 
 
-class RequestError(ValueError):
-    """A request the scheduler refuses; `code` is a generation_pb2.ErrorCode."""
-
-    def __init__(self, code: int, message: str):
-        super().__init__(message)
-        self.code = code
-
-
 @dataclass(frozen=True)
 class Output:
     """New tokens of one request and the text they complete; `finish_reason` set on the last one."""
@@ -126,6 +119,12 @@ class Output:
     text: str
     finish_reason: str | None = None  # "stop", "length", "abort" or "error"
     error: str = ""
+
+
+class OutputSink(Protocol):
+    """Where a request's outputs go: an asyncio.Queue its Generate call reads, or a front-end's stream."""
+
+    def put_nowait(self, out: Output, /) -> None: ...
 
 
 class FeatureRows:
@@ -157,7 +156,7 @@ class Request:
     seed: int
     eos_ids: frozenset[int]
     detokenizer: IncrementalDetokenizer
-    outputs: asyncio.Queue = field(default_factory=asyncio.Queue)
+    outputs: OutputSink = field(default_factory=asyncio.Queue)
     arrived: float = field(default_factory=time.perf_counter)
     tokens: list[int] = field(default_factory=list)  # prompt + output
     slot: int = -1
@@ -317,15 +316,16 @@ class Scheduler:
 
     # ------------------------------------------------------------------------------------------ requests
 
-    def submit(self, prompt: list[int], params: SamplingParams, request_id: str = "") -> Request:
-        """Queues a request, or raises RequestError naming what is wrong with it."""
+    def submit(self, prompt: list[int], params: SamplingParams, request_id: str = "",
+               outputs: OutputSink | None = None) -> Request:
+        """Queues a request, or raises RequestError naming what is wrong with it. Its outputs go to `outputs`
+        (a front-end process's stream, core_socket.py), else to a queue of its own, `Request.outputs`."""
         invalid = gpb.ERROR_CODE_INVALID_ARGUMENT
         if self.draining:
             raise RequestError(gpb.ERROR_CODE_UNAVAILABLE, "the server is shutting down")
         request_id = request_id or uuid.uuid4().hex
         if request_id in self.requests:
-            raise RequestError(gpb.ERROR_CODE_ALREADY_EXISTS,
-                               f"request_id {request_id!r} is already in flight")
+            raise in_flight_already(request_id)
         if not prompt:
             raise RequestError(invalid, "prompt is empty")
         if bad := [t for t in prompt if not 0 <= t < self.vocab_size]:
@@ -345,6 +345,8 @@ class Scheduler:
         seed = params.seed if params.seed is not None else secrets.randbits(63)
         eos = frozenset() if params.ignore_eos else frozenset(self.tokenizer.eos_token_ids)
         request = Request(request_id, list(prompt), params, seed, eos, detokenizer, tokens=list(prompt))
+        if outputs is not None:
+            request.outputs = outputs
         self.requests[request_id] = request
         if not self.waiting:
             self._admit_at = time.perf_counter() + self.config.admit_wait
@@ -957,7 +959,8 @@ class Scheduler:
 
     def _stream(self, r: Request, out: Output, now: float) -> bool:
         """Streams settled tokens with their text (the rest of it once the request finished), once
-        stream_interval of them have gathered; returns whether an output went to the stream."""
+        stream_interval of them have gathered; returns whether an output went to a gRPC stream of this
+        process (which then needs a turn of the loop: _verify)."""
         text = out.text
         if not r.params.stop:
             text += r.detokenizer.push(out.token_ids)
@@ -978,7 +981,7 @@ class Scheduler:
         r.last_token_at = now
         r.outputs.put_nowait(r.unsent)
         r.unsent = Output([], "")
-        return True
+        return isinstance(r.outputs, asyncio.Queue)
 
     def _matched_stop(self, r: Request) -> str:
         text = self.tokenizer.decode(r.tokens[len(r.prompt):])

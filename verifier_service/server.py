@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 import grpc
 from specwire.verifier.drafter_link import DrafterLink, LocalDrafterLink
-from specwire.verifier.scheduler import Output, Request, RequestError, Scheduler, SchedulerConfig
+from specwire.verifier.request_error import RequestError, error_response
+from specwire.verifier.scheduler import Output, Request, Scheduler, SchedulerConfig
 
 from specwire import grpc_common
 from specwire.engine import TargetEngine
@@ -56,11 +57,10 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         try:
             if self.scheduler is None:
                 raise RequestError(pb.ERROR_CODE_UNAVAILABLE, "the model is still loading")
-            prompt, params = self.parse(request)
+            prompt, params = parse_request(self.scheduler, request)
             r = self.scheduler.submit(prompt, params, request_id)
         except RequestError as e:
-            self.metrics.rejected[pb.ErrorCode.Name(e.code).removeprefix("ERROR_CODE_").lower()].inc()
-            yield pb.GenerateResponse(request_id=request_id, error=pb.Error(code=e.code, message=str(e)))
+            yield rejected(self.metrics, request_id, e)
             return
         done = False
         try:
@@ -76,7 +76,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                     yield pb.GenerateResponse(request_id=request_id, error=pb.Error(
                         code=pb.ERROR_CODE_INTERNAL, message=out.error))
                     return
-            yield pb.GenerateResponse(request_id=request_id, complete=self.complete(r))
+            yield pb.GenerateResponse(request_id=request_id, complete=complete(r))
         finally:
             if not done:  # the client went away (cancel, deadline): free the slot and the drafter state
                 self.scheduler.abort(request_id, cancelled=True)
@@ -87,65 +87,74 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext
                            ) -> pb.ModelInfo:
-        s = self.scheduler
-        if s is None:
+        if self.scheduler is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading")
-        c, link = s.engine.config, s.link
-        speculation = pb.SpeculationInfo(
-            enabled=link is not None and s.config.num_speculative_tokens > 0,
-            drafter_connected=link is not None and link.connected,
-            num_speculative_tokens=s.config.num_speculative_tokens if link is not None else 0,
-            drafter_head=link.info.head if link is not None and link.info is not None else "",
-        )
-        return pb.ModelInfo(
-            model_name=self.model_name, vocab_size=c.vocab_size, hidden_size=c.hidden_size,
-            max_context=s.max_context, tokenizer_fingerprint=s.tokenizer.fingerprint,
-            eos_token_ids=list(s.tokenizer.eos_token_ids), speculation=speculation,
-            num_running=len(s.running), num_waiting=len(s.waiting), free_slots=s.engine.num_free_slots,
-            max_slots=s.engine.max_slots, protocol_version=PROTOCOL_VERSION,
-        )
+        return model_info(self.scheduler, self.model_name)
 
-    # ------------------------------------------------------------------------------------------ messages
 
-    def parse(self, request: pb.GenerateRequest) -> tuple[list[int], SamplingParams]:
-        """The prompt's token ids and the sampling parameters; RequestError(INVALID_ARGUMENT) if malformed."""
-        s = self.scheduler
-        prompt_kind = request.WhichOneof("prompt")
-        if prompt_kind == "token_ids":
-            if request.chat:
-                raise RequestError(pb.ERROR_CODE_INVALID_ARGUMENT, "chat needs a text prompt, not token ids")
-            prompt = list(request.token_ids.ids)
-        elif prompt_kind == "text" and request.text:
-            text = request.text
-            if request.chat:
-                text = _render_chat(s.tokenizer, [{"role": "user", "content": text}])
-            prompt = s.tokenizer.encode(text, add_special_tokens=not request.chat)  # a template holds them
-        elif prompt_kind == "messages":  # `chat` is implied; the rendered template holds the special tokens
-            messages = [{"role": m.role, "content": m.content} for m in request.messages.messages]
-            prompt = s.tokenizer.encode(_render_chat(s.tokenizer, messages), add_special_tokens=False)
-        else:
-            prompt = []
-        sp = request.sampling
-        room = max(1, s.max_context - len(prompt))
-        max_tokens = sp.max_tokens if sp.HasField("max_tokens") else min(s.config.default_max_tokens, room)
-        params = SamplingParams(
-            temperature=sp.temperature, top_k=sp.top_k, top_p=sp.top_p if sp.HasField("top_p") else 1.0,
-            seed=sp.seed if sp.HasField("seed") else None, max_tokens=max_tokens, stop=tuple(sp.stop),
-            ignore_eos=sp.ignore_eos,
-        )
-        return prompt, params
+def rejected(metrics: VerifierMetrics, request_id: str, e: RequestError) -> pb.GenerateResponse:
+    """A request refused before it was queued, counted by its code, as its stream's one message."""
+    metrics.rejected[pb.ErrorCode.Name(e.code).removeprefix("ERROR_CODE_").lower()].inc()
+    return error_response(request_id, e)
 
-    @staticmethod
-    def complete(r: Request) -> pb.Complete:
-        usage = pb.Usage(
-            prompt_tokens=len(r.prompt), completion_tokens=r.num_output, drafts=r.drafts,
-            draft_tokens=r.draft_tokens, accepted_tokens=r.accepted_tokens,
-            mean_acceptance_length=1 + r.accepted_tokens / r.drafts if r.drafts else 0.0,
-            seconds=(r.last_token_at or time.perf_counter()) - r.arrived,
-            time_to_first_token_seconds=max(0.0, r.first_token_at - r.arrived),
-            speculative=r.draft_tokens > 0,
-        )
-        return pb.Complete(finish_reason=_FINISH[r.finish_reason], usage=usage, matched_stop=r.matched_stop)
+
+def parse_request(s: Scheduler, request: pb.GenerateRequest) -> tuple[list[int], SamplingParams]:
+    """The prompt's token ids and the sampling parameters; RequestError(INVALID_ARGUMENT) if malformed."""
+    prompt_kind = request.WhichOneof("prompt")
+    if prompt_kind == "token_ids":
+        if request.chat:
+            raise RequestError(pb.ERROR_CODE_INVALID_ARGUMENT, "chat needs a text prompt, not token ids")
+        prompt = list(request.token_ids.ids)
+    elif prompt_kind == "text" and request.text:
+        text = request.text
+        if request.chat:
+            text = _render_chat(s.tokenizer, [{"role": "user", "content": text}])
+        prompt = s.tokenizer.encode(text, add_special_tokens=not request.chat)  # a template holds them
+    elif prompt_kind == "messages":  # `chat` is implied; the rendered template holds the special tokens
+        messages = [{"role": m.role, "content": m.content} for m in request.messages.messages]
+        prompt = s.tokenizer.encode(_render_chat(s.tokenizer, messages), add_special_tokens=False)
+    else:
+        prompt = []
+    sp = request.sampling
+    room = max(1, s.max_context - len(prompt))
+    max_tokens = sp.max_tokens if sp.HasField("max_tokens") else min(s.config.default_max_tokens, room)
+    params = SamplingParams(
+        temperature=sp.temperature, top_k=sp.top_k, top_p=sp.top_p if sp.HasField("top_p") else 1.0,
+        seed=sp.seed if sp.HasField("seed") else None, max_tokens=max_tokens, stop=tuple(sp.stop),
+        ignore_eos=sp.ignore_eos,
+    )
+    return prompt, params
+
+
+def complete(r: Request) -> pb.Complete:
+    """A finished request's last message: why it ended and its counts."""
+    usage = pb.Usage(
+        prompt_tokens=len(r.prompt), completion_tokens=r.num_output, drafts=r.drafts,
+        draft_tokens=r.draft_tokens, accepted_tokens=r.accepted_tokens,
+        mean_acceptance_length=1 + r.accepted_tokens / r.drafts if r.drafts else 0.0,
+        seconds=(r.last_token_at or time.perf_counter()) - r.arrived,
+        time_to_first_token_seconds=max(0.0, r.first_token_at - r.arrived),
+        speculative=r.draft_tokens > 0,
+    )
+    return pb.Complete(finish_reason=_FINISH[r.finish_reason], usage=usage, matched_stop=r.matched_stop)
+
+
+def model_info(s: Scheduler, model_name: str) -> pb.ModelInfo:
+    """What GetModelInfo answers: the model, how it speculates, the scheduler's load now."""
+    c, link = s.engine.config, s.link
+    speculation = pb.SpeculationInfo(
+        enabled=link is not None and s.config.num_speculative_tokens > 0,
+        drafter_connected=link is not None and link.connected,
+        num_speculative_tokens=s.config.num_speculative_tokens if link is not None else 0,
+        drafter_head=link.info.head if link is not None and link.info is not None else "",
+    )
+    return pb.ModelInfo(
+        model_name=model_name, vocab_size=c.vocab_size, hidden_size=c.hidden_size,
+        max_context=s.max_context, tokenizer_fingerprint=s.tokenizer.fingerprint,
+        eos_token_ids=list(s.tokenizer.eos_token_ids), speculation=speculation,
+        num_running=len(s.running), num_waiting=len(s.waiting), free_slots=s.engine.num_free_slots,
+        max_slots=s.engine.max_slots, protocol_version=PROTOCOL_VERSION,
+    )
 
 
 CHAT_ROLES = ("system", "user", "assistant")
@@ -204,18 +213,7 @@ class VerifierServer:
 
     def attach(self, engine: TargetEngine, tokenizer: Tokenizer, link: LocalDrafterLink | None = None
                ) -> None:
-        s = self.settings
-        if link is None and s.drafter:
-            share = s.shared_features and engine.device.type == "cuda"
-            link = DrafterLink(s.drafter, self.metrics, s.drafter_channel, step_timeout=s.step_timeout,
-                               socket_path=s.drafter_socket, share_from=engine.device if share else None)
-        self.scheduler = Scheduler(engine, tokenizer, self.metrics, s.scheduler, link)
-        m = self.metrics
-        m.max_requests_waiting.set(s.scheduler.max_waiting)
-        m.kv_slots.labels(state="total").set(engine.max_slots)
-        # Read at scrape time, so the gauge is never stale (the soak checks it returns to 0).
-        m.kv_slots.labels(state="used").set_function(lambda: engine.max_slots - engine.num_free_slots)
-        self.scheduler.start()
+        self.scheduler = start_scheduler(self.settings, self.metrics, engine, tokenizer, link)
         self.service.scheduler = self.scheduler
 
     async def stop(self, grace: float | None = 0.0) -> None:
@@ -227,3 +225,21 @@ class VerifierServer:
             await self.scheduler.close()
         self.metrics.close()
 
+
+
+def start_scheduler(settings: VerifierSettings, metrics: VerifierMetrics, engine: TargetEngine,
+                    tokenizer: Tokenizer, link: LocalDrafterLink | None = None) -> Scheduler:
+    """The scheduler on `engine`, started, with its drafter: `link` (co-located), else the one
+    settings.drafter names, or none."""
+    s = settings
+    if link is None and s.drafter:
+        share = s.shared_features and engine.device.type == "cuda"
+        link = DrafterLink(s.drafter, metrics, s.drafter_channel, step_timeout=s.step_timeout,
+                           socket_path=s.drafter_socket, share_from=engine.device if share else None)
+    scheduler = Scheduler(engine, tokenizer, metrics, s.scheduler, link)
+    metrics.max_requests_waiting.set(s.scheduler.max_waiting)
+    metrics.kv_slots.labels(state="total").set(engine.max_slots)
+    # Read at scrape time, so the gauge is never stale (the soak checks it returns to 0).
+    metrics.kv_slots.labels(state="used").set_function(lambda: engine.max_slots - engine.num_free_slots)
+    scheduler.start()
+    return scheduler
