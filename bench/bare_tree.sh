@@ -8,7 +8,7 @@
 # (bench/join_model.sh takes whole parts as they are). `off` restores the index from HEAD and the ignore file.
 # `lean` keeps the tree but leaves bench/results/ behind (the tree passed the 64 MiB a call carries in session 35);
 # `off` restores either. Working files are never touched; `on` and `lean` refuse while there are uncommitted
-# changes.
+# changes, and install a pre-commit hook that refuses commits until `off`.
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
 exclude=.git/info/exclude
@@ -17,6 +17,9 @@ on|lean)
     [ -f $exclude.bare ] && { echo "already bare or lean (bench/bare_tree.sh off restores)"; exit 0; }
     git diff --quiet && git diff --cached --quiet || { echo "uncommitted changes: commit them first" >&2; exit 1; }
     touch $exclude && cp $exclude $exclude.bare
+    # A commit now would record the index's removals (session 36 committed bench/results/ away once): refused.
+    printf '#!/bin/sh\n[ ! -f .git/info/exclude.bare ] || { echo "bench/bare_tree.sh: run off before committing" >&2; exit 1; }\n' \
+        > .git/hooks/pre-commit && chmod +x .git/hooks/pre-commit
     if [ "$1" = on ]; then left='*' gone=.; else left=bench/results/ gone=bench/results; fi
     echo "$left" >> $exclude
     git rm -r -q --cached "$gone"

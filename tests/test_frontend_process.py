@@ -7,6 +7,7 @@ errors, Abort, cancels that free their slots, GetModelInfo; and either process g
 nothing but its requests.
 """
 
+import asyncio
 import json
 import signal
 import subprocess
@@ -126,10 +127,17 @@ def test_duplicate_request_id_cancel_and_abort(world):
     assert v.generate([9, 10], max_tokens=4)[0] == greedy_reference(world.checkpoint, [[9, 10]], 4)[0]
 
 
-def _target_only(loop: Loop, checkpoint, tokenizer, token: str | None = None) -> tuple[SplitVerifier, int]:
-    """A split target-only verifier on the tiny model, its front-end a real process: (core, port)."""
+def _channel(port: int, credentials: grpc.ChannelCredentials | None = None) -> grpc.Channel:
+    target = f"127.0.0.1:{port}"
+    return grpc.secure_channel(target, credentials) if credentials else grpc.insecure_channel(target)
+
+
+def _target_only(loop: Loop, checkpoint, tokenizer, credentials: grpc.ChannelCredentials | None = None,
+                 **server_options) -> tuple[SplitVerifier, int]:
+    """A split target-only verifier on the tiny model, its front-end a real process: (core, port).
+    server_options: more ServerOptions (TLS, token); credentials: what the readiness check connects with."""
     port = free_port()
-    options = grpc_common.ServerOptions(listen=f"127.0.0.1:{port}", token=token, grace_seconds=30)
+    options = grpc_common.ServerOptions(listen=f"127.0.0.1:{port}", grace_seconds=30, **server_options)
     engine = TargetEngine(checkpoint=checkpoint, device="cpu", max_slots=4, max_context=MAX_CONTEXT)
     split = SplitVerifier(options, VerifierSettings(model_name="tiny"), VerifierMetrics(),
                           frontend.command(options, "INFO", "text"))
@@ -139,7 +147,7 @@ def _target_only(loop: Loop, checkpoint, tokenizer, token: str | None = None) ->
         await split.serve(engine, tokenizer, None, "tiny")
 
     loop.run(up())
-    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+    with _channel(port, credentials) as channel:
         poll(lambda: serving(channel), timeout=60, what="SERVING")
     return split, port
 
@@ -163,7 +171,7 @@ def bare():
 def test_core_gone_ends_the_streams_unavailable_and_the_front_end_exits(bare):
     split, port = _target_only(bare.loop, bare.checkpoint, bare.tokenizer)
     try:
-        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        with _channel(port) as channel:
             call = _long_request(generation_pb2_grpc.GenerationStub(channel), "orphan")
             bare.loop.run(split._server.close())  # the core's end of the socket goes, as when it dies
             last = list(call)[-1]
@@ -176,7 +184,7 @@ def test_core_gone_ends_the_streams_unavailable_and_the_front_end_exits(bare):
 def test_front_end_killed_frees_its_requests_on_the_core(bare):
     split, port = _target_only(bare.loop, bare.checkpoint, bare.tokenizer)
     try:
-        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        with _channel(port) as channel:
             stub = generation_pb2_grpc.GenerationStub(channel)
             calls = [_long_request(stub, f"r{i}") for i in range(3)]
             assert len(split.scheduler.running) == 3
@@ -193,7 +201,7 @@ def test_front_end_killed_frees_its_requests_on_the_core(bare):
 def test_drain_lets_in_flight_streams_finish_and_exits_0(bare):
     split, port = _target_only(bare.loop, bare.checkpoint, bare.tokenizer)
     try:
-        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        with _channel(port) as channel:
             stub = generation_pb2_grpc.GenerationStub(channel)
             call = _long_request(stub, "in-flight")
             split.drain()  # SIGTERM to the front-end, as the core forwards it
@@ -212,7 +220,7 @@ def test_the_token_guards_the_front_end(bare):
     split, port = _target_only(bare.loop, bare.checkpoint, bare.tokenizer, token="s3cret")
     try:
         assert "s3cret" not in " ".join(frontend.command(split.options, "INFO", "text")[0])  # not in argv
-        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        with _channel(port) as channel:
             stub = generation_pb2_grpc.GenerationStub(channel)
             with pytest.raises(grpc.RpcError) as refused:
                 list(stub.Generate(pb.GenerateRequest(text="hi"), timeout=10))
@@ -246,3 +254,38 @@ def test_the_cli_split_verifier_gives_generates_greedy_tokens(tmp_path):
         assert "front-end started" in log and "verifier core ready" in log and "front-end ready" in log
     finally:
         stop([verifier])
+
+
+def test_a_stream_behind_catches_up_in_one_write_and_keeps_its_end_apart():
+    async def read() -> list[pb.GenerateResponse]:
+        stream = frontend.Responses()
+        for ids, text in (([1], "a"), ([2, 3], "bc"), ([4], "d")):
+            stream.put(pb.GenerateResponse(request_id="r", chunk=pb.Chunk(token_ids=ids, text=text)))
+        stream.put(pb.GenerateResponse(request_id="r", complete=pb.Complete()))
+        first, last = await stream.next(), await stream.next()
+        waiter = asyncio.ensure_future(stream.next())
+        await asyncio.sleep(0)
+        assert not waiter.done()  # nothing waiting: it waits for the next response
+        stream.put(pb.GenerateResponse(request_id="r", chunk=pb.Chunk(token_ids=[5])))
+        return [first, last, await waiter]
+
+    first, last, late = asyncio.run(read())
+    assert (list(first.chunk.token_ids), first.chunk.text) == ([1, 2, 3, 4], "abcd")
+    assert last.WhichOneof("event") == "complete"
+    assert list(late.chunk.token_ids) == [5]
+
+
+def test_mutual_tls_reaches_the_front_end(bare, pki):
+    """The core's TLS flags become the front-end's: a client with a cert of the trusted CA is served, a
+    plaintext one is not."""
+    (ca, _), (cert, key), (client_cert, client_key) = pki["ca"], pki["server"], pki["client"]
+    credentials = grpc_common.channel_credentials(ca, client_cert, client_key)
+    split, port = _target_only(bare.loop, bare.checkpoint, bare.tokenizer, credentials,
+                               tls_cert=cert, tls_key=key, tls_client_ca=ca)
+    try:
+        with _channel(port, credentials) as channel:
+            _long_request(generation_pb2_grpc.GenerationStub(channel), "over-mtls").cancel()
+        with _channel(port) as plaintext, pytest.raises(grpc.RpcError):
+            generation_pb2_grpc.GenerationStub(plaintext).GetModelInfo(pb.GetModelInfoRequest(), timeout=5)
+    finally:
+        bare.loop.run(split.close())

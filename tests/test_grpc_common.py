@@ -5,7 +5,6 @@ import argparse
 import asyncio
 import datetime
 import io
-import ipaddress
 import json
 import logging
 import os
@@ -25,55 +24,9 @@ from specwire.grpc_common import ChannelOptions, GrpcServer, ServerOptions
 from specwire.v1 import generation_pb2 as pb
 from specwire.v1 import generation_pb2_grpc
 
-x509 = pytest.importorskip("cryptography.x509", reason="cryptography is a test dependency")
-from cryptography.hazmat.primitives import hashes, serialization  # noqa: E402
-from cryptography.hazmat.primitives.asymmetric import ec  # noqa: E402
-
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 PLAIN = ChannelOptions()
-
-
-# ---------------------------------------------------------------- certificates
-
-
-def _issue(name: str, issuer: tuple | None, *, ca: bool, server: bool = False) -> tuple:
-    key = ec.generate_private_key(ec.SECP256R1())
-    subject = x509.Name([x509.NameAttribute(x509.oid.NameOID.COMMON_NAME, name)])
-    now = datetime.datetime.now(datetime.UTC)
-    issuer_cert, issuer_key = issuer if issuer else (None, key)
-    builder = (x509.CertificateBuilder().subject_name(subject)
-               .issuer_name(issuer_cert.subject if issuer_cert else subject)
-               .public_key(key.public_key()).serial_number(x509.random_serial_number())
-               .not_valid_before(now - datetime.timedelta(minutes=5))
-               .not_valid_after(now + datetime.timedelta(days=1))
-               .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
-    if server:
-        builder = builder.add_extension(x509.SubjectAlternativeName(
-            [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
-    return builder.sign(issuer_key, hashes.SHA256()), key
-
-
-def _write(directory: Path, name: str, cert_and_key: tuple) -> tuple[str, str]:
-    cert, key = cert_and_key
-    (directory / f"{name}.crt").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    (directory / f"{name}.key").write_bytes(key.private_bytes(
-        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
-    return str(directory / f"{name}.crt"), str(directory / f"{name}.key")
-
-
-@pytest.fixture(scope="module")
-def pki(tmp_path_factory) -> dict[str, tuple[str, str]]:
-    """A trusted CA with a server and a client cert, and a rogue CA with its own client cert."""
-    d = tmp_path_factory.mktemp("pki")
-    ca = _issue("specwire test CA", None, ca=True)
-    rogue = _issue("rogue CA", None, ca=True)
-    return {
-        "ca": _write(d, "ca", ca),
-        "server": _write(d, "server", _issue("localhost", ca, ca=False, server=True)),
-        "client": _write(d, "client", _issue("verifier", ca, ca=False)),
-        "rogue_client": _write(d, "rogue_client", _issue("intruder", rogue, ca=False)),
-    }
 
 
 # ---------------------------------------------------------------- helpers

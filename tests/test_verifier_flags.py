@@ -57,10 +57,10 @@ def test_bad_flags_are_refused(argv, message):
 
 
 def test_the_front_end_process_is_chosen_by_flag_or_environment(monkeypatch):
-    assert verifier_flags().frontend == "inline"
-    assert verifier_flags("--frontend", "process").frontend == "process"
-    monkeypatch.setenv("SPECWIRE_FRONTEND", "process")
     assert verifier_flags().frontend == "process"
+    assert verifier_flags("--frontend", "inline").frontend == "inline"
+    monkeypatch.setenv("SPECWIRE_FRONTEND", "inline")
+    assert verifier_flags().frontend == "inline"
     monkeypatch.setenv("SPECWIRE_FRONTEND", "thread")
     with pytest.raises(ValueError, match="--frontend must be inline or process, got 'thread'"):
         verifier_flags()

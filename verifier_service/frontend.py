@@ -18,6 +18,7 @@ import logging
 import os
 import sys
 import uuid
+from collections import deque
 
 import grpc
 from specwire.verifier.request_error import RequestError, error_response, in_flight_already
@@ -33,13 +34,38 @@ CONNECT_RETRY_SECONDS = 0.05
 MODEL_INFO_TIMEOUT_SECONDS = 10.0
 
 
+class Responses:
+    """One open request's responses from the core, in order: at most one a round and its last."""
+
+    def __init__(self):
+        self._waiting: deque[pb.GenerateResponse] = deque()
+        self._arrived = asyncio.Event()
+
+    def put(self, response: pb.GenerateResponse) -> None:
+        self._waiting.append(response)
+        self._arrived.set()
+
+    async def next(self) -> pb.GenerateResponse:
+        """The next response, with the chunks already waiting behind it joined to it: a stream that fell
+        behind its request catches up in one write (as verifier.server.with_waiting does in-process)."""
+        while not self._waiting:
+            self._arrived.clear()
+            await self._arrived.wait()
+        response = self._waiting.popleft()
+        while (response.WhichOneof("event") == "chunk" and self._waiting
+               and self._waiting[0].WhichOneof("event") == "chunk"):
+            following = self._waiting.popleft()
+            response.chunk.token_ids.extend(following.chunk.token_ids)
+            response.chunk.text += following.chunk.text
+        return response
+
+
 class CoreLink:
-    """The connection to the core: calls out; each open stream's responses in, to its own queue (it holds at
-    most the request's tokens: one response per round and its last)."""
+    """The connection to the core: calls out; each open stream's responses in."""
 
     def __init__(self, socket: step_socket.MessageSocket):
         self._socket = socket
-        self.streams: dict[str, asyncio.Queue] = {}
+        self.streams: dict[str, Responses] = {}
         self._model_info: dict[int, asyncio.Future] = {}
         self._nonces = itertools.count(1)
         self.lost = asyncio.Event()
@@ -60,14 +86,14 @@ class CoreLink:
             return link
         return None
 
-    def open(self, request_id: str) -> asyncio.Queue:
+    def open(self, request_id: str) -> Responses:
         """A stream for request_id, which the caller then submits."""
         if request_id in self.streams:
             raise in_flight_already(request_id)
         if self.lost.is_set():
             raise RequestError(pb.ERROR_CODE_UNAVAILABLE, "the verifier's core has gone")
-        queue = self.streams[request_id] = asyncio.Queue()
-        return queue
+        responses = self.streams[request_id] = Responses()
+        return responses
 
     def call(self, call: fpb.CoreCall) -> None:
         try:
@@ -89,9 +115,9 @@ class CoreLink:
         try:
             while (events := await self._socket.read()) is not None:
                 for response in events.responses:
-                    queue = self.streams.get(response.request_id)
-                    if queue is not None:  # else its client has gone
-                        queue.put_nowait(response)
+                    stream = self.streams.get(response.request_id)
+                    if stream is not None:  # else its client has gone
+                        stream.put(response)
                 answer = self._model_info.get(events.model_info_nonce)
                 if answer is not None and not answer.done():
                     answer.set_result(events.model_info)
@@ -105,8 +131,8 @@ class CoreLink:
         log.error("the verifier's core is gone: open streams end UNAVAILABLE", extra={"reason": reason})
         self.lost.set()
         gone = RequestError(pb.ERROR_CODE_UNAVAILABLE, f"the verifier's core has gone ({reason})")
-        for request_id, queue in self.streams.items():
-            queue.put_nowait(error_response(request_id, gone))
+        for request_id, stream in self.streams.items():
+            stream.put(error_response(request_id, gone))
         for answer in self._model_info.values():
             if not answer.done():
                 answer.set_exception(ConnectionError(reason))
@@ -134,7 +160,7 @@ class FrontendService(generation_pb2_grpc.GenerationServicer):
         done = False
         try:
             while not done:
-                response = await responses.get()
+                response = await responses.next()
                 done = response.WhichOneof("event") != "chunk"
                 yield response
         finally:
