@@ -18,7 +18,7 @@ on|lean)
     git diff --quiet && git diff --cached --quiet || { echo "uncommitted changes: commit them first" >&2; exit 1; }
     touch $exclude && cp $exclude $exclude.bare
     # A commit now would record the index's removals (session 36 committed bench/results/ away once): refused.
-    printf '#!/bin/sh\n[ ! -f .git/info/exclude.bare ] || { echo "bench/bare_tree.sh: run off before committing" >&2; exit 1; }\n' \
+    mkdir -p .git/hooks && printf '#!/bin/sh\n[ ! -f .git/info/exclude.bare ] || { echo "bench/bare_tree.sh: run off before committing" >&2; exit 1; }\n' \
         > .git/hooks/pre-commit && chmod +x .git/hooks/pre-commit
     if [ "$1" = on ]; then left='*' gone=.; else left=bench/results/ gone=bench/results; fi
     echo "$left" >> $exclude

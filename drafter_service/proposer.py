@@ -868,11 +868,13 @@ class EagleProposer:
             ks = [min(k, n) for k, n in zip(ks, read_back(self._confident[:len(ks)]).tolist(), strict=True)]
         K = self.max_drafts
         sampled = [(t, tk) for t, tk, k in zip(temperature, top_k, ks, strict=True) if t > 0 and k > 0]
-        if on_device or sampled:  # the rows' cells of the [B, K] output buffers
+        whole = all(k == K for k in ks)  # every row drafted k: its cells lead the [B, K] output buffers
+        if (on_device or sampled) and not whole:  # the rows' cells of the [B, K] output buffers
             index = torch.tensor([b * K + j for b, k in enumerate(ks) for j in range(k)], dtype=torch.int64)
             index = upload(index, self.device)
-        if on_device:
-            token_ids = self._tokens.flatten().index_select(0, index)
+        if on_device:  # copied: the buffers are drafted into again while the verifier may still read these
+            token_ids = self._tokens[:len(ks)].flatten().clone() if whole else (
+                self._tokens.flatten().index_select(0, index))
         else:
             rows = read_back(self._tokens[:len(ks)]).tolist()  # the wait for the drafts, and their one copy
             token_ids = torch.tensor([t for row, k in zip(rows, ks, strict=True) for t in row[:k]],
@@ -881,8 +883,13 @@ class EagleProposer:
         if not sampled:
             return Proposal(token_ids, num_drafts, None)
         to_target = self.head.draft_to_target
-        top_idx = self._top_idx.flatten(0, 1).index_select(0, index)
-        top_q = self._top_q.flatten(0, 1).index_select(0, index)
+        if whole:  # copies, as index_select makes: the q may be read after the next drafting
+            top_idx = self._top_idx[:len(ks)].flatten(0, 1).clone()
+            top_q = self._top_q[:len(ks)].flatten(0, 1).clone()
+            index = torch.arange(len(ks) * K, device=self.device)  # for the dense q below
+        else:
+            top_idx = self._top_idx.flatten(0, 1).index_select(0, index)
+            top_q = self._top_q.flatten(0, 1).index_select(0, index)
         if to_target is not None:
             top_idx = to_target[top_idx]
         if all(tk > 0 for _, tk in sampled):
