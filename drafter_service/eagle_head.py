@@ -89,11 +89,14 @@ class EagleHead(nn.Module):
         max_positions: int,
     ):
         super().__init__()
-        self.config, self.dtype, self.device = config, dtype, torch.device(device)
+        self.config, self.dtype = config, dtype
         c, H = config.layer, config.layer.hidden_size
         self.embed_tokens = nn.Embedding.from_pretrained(
             target_weights["model.embed_tokens.weight"].to(device=device, dtype=dtype), freeze=True
         )
+        # Its index spelled out ("cuda" -> "cuda:0"): a torch.device("cuda") compares unequal to its own
+        # tensors' devices, which sent the proposer's on-device feature gather down the path for another GPU.
+        self.device = self.embed_tokens.weight.device
         self.layer = DecoderLayer(c, dtype, device)
         if config.arch == "eagle1":
             self.fc = Linear(2 * H, H, bias=config.fc_bias, dtype=dtype, device=device)

@@ -44,6 +44,8 @@ def parse_device(name: str | torch.device) -> torch.device:
         raise ValueError(f"device {str(name)!r} requested but CUDA is not available")
     if device.type not in ("cpu", "cuda"):
         raise ValueError(f"unsupported device {str(name)!r} (cpu or cuda)")
+    if device.type == "cuda" and device.index is None:  # as its tensors report it: "cuda" != "cuda:0"
+        device = torch.device("cuda", torch.cuda.current_device())
     return device
 
 
@@ -68,7 +70,7 @@ def device_and_dtype(
     device: str | torch.device | None, dtype: str | torch.dtype | None
 ) -> tuple[torch.device, torch.dtype]:
     """The --device and --dtype flags resolved: cuda when available, bf16 on CUDA and fp32 on the CPU."""
-    resolved = parse_device(device) if device is not None else default_device()
+    resolved = parse_device(device if device is not None else default_device())
     return resolved, parse_dtype(dtype) if dtype is not None else default_dtype(resolved)
 
 

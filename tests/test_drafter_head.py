@@ -339,3 +339,16 @@ def test_a_grown_draft_vocabulary_keeps_the_trained_logits_and_maps_the_targets_
     write_head(tmp_path / "e1", "eagle1", "safetensors")
     with pytest.raises(ValueError, match="only EAGLE-3"):
         grow_draft_vocab(load_eagle_head(tmp_path / "e1", target_config, target_sd), new, target_sd)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])])
+def test_a_heads_device_is_its_tensors_device(tmp_path, device):
+    """"cuda" spelled as its tensors' "cuda:0": the proposer compares a handed table's device with the head's
+    to gather on-device features in one launch. A mismatch takes the path for a table on another GPU, whose
+    per-request copies assume consecutive rows; tests/test_queued_drafts.py, with scattered rows, failed its
+    four CUDA cases in session 36 (the likely cause: not yet re-run on a GPU)."""
+    target_config, target_sd = tiny_target()
+    write_head(tmp_path, "eagle1", "safetensors")
+    head = load_eagle_head(tmp_path, target_config, target_sd, device=device)
+    assert head.device == head.embed_tokens.weight.device == torch.zeros(1, device=device).device
