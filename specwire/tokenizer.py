@@ -65,6 +65,13 @@ class Tokenizer:
         self.chat_template = chat_template
         self.special_tokens = special_tokens  # bos_token, eos_token, ... as strings, for the chat template
 
+    @classmethod
+    def for_decoding(cls, backend_json: str) -> Tokenizer:
+        """A tokenizer that decodes as this one does (`backend.to_str()`), without its chat template or
+        special-token names: the verifier's front-end detokenises with it."""
+        return cls(Backend.from_str(backend_json), bos_token_id=None, eos_token_ids=(), chat_template=None,
+                   special_tokens={})
+
     @property
     def vocab_size(self) -> int:
         return self.backend.get_vocab_size(with_added_tokens=True)

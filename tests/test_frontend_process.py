@@ -8,6 +8,7 @@ nothing but its requests.
 """
 
 import asyncio
+import contextlib
 import json
 import signal
 import subprocess
@@ -16,6 +17,7 @@ import time
 
 import grpc
 import pytest
+import torch
 from specwire.verifier import frontend
 from specwire.verifier.core_socket import SplitVerifier
 from specwire.verifier.server import VerifierSettings
@@ -26,6 +28,7 @@ from test_services_e2e import (
     Loop,
     Verifier,
     generate_all,
+    greedy_equals_target_only,
     greedy_reference,
     poll,
     prompts,
@@ -39,7 +42,7 @@ from specwire.commands.demo import Service, free_port, start, stop, wait_serving
 from specwire.default_model import default_model_path
 from specwire.engine import TargetEngine
 from specwire.metrics import VerifierMetrics
-from specwire.tokenizer import load_tokenizer
+from specwire.tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
 from specwire.v1 import generation_pb2 as pb
 from specwire.v1 import generation_pb2_grpc
 
@@ -63,19 +66,15 @@ def world():
 def test_greedy_through_the_front_end_process_equals_target_only(world):
     v = world.verifier
     accepted_before = v.counter(v.metrics.num_accepted_tokens)
-    batch = prompts(20)
-    results = generate_all(v, batch, max_tokens=24)
-    expected = greedy_reference(world.checkpoint, batch, 24)
-    for (ids, text, complete), want in zip(results, expected, strict=True):
-        assert isinstance(complete, pb.Complete) and complete.finish_reason == pb.FINISH_REASON_LENGTH
-        assert ids == want
-        assert text == world.tokenizer.decode(want)
-    usage = [c.usage for _, _, c in results]
+    results = greedy_equals_target_only(world, v, 20, seed=0)
+    assert all(text == world.tokenizer.decode(ids) for ids, text, _ in results)  # made by the front-end
+    assert all(complete.finish_reason == pb.FINISH_REASON_LENGTH for _, _, complete in results)
+    usage = [complete.usage for _, _, complete in results]
     accepted = sum(u.accepted_tokens for u in usage)
     assert 0 < accepted < sum(u.draft_tokens for u in usage)  # speculation ran, and its rejections
     # The Complete is made after the round's drafts are counted: the usage adds up to the core's metrics.
     assert v.counter(v.metrics.num_accepted_tokens) - accepted_before == accepted
-    assert [(u.prompt_tokens, u.completion_tokens) for u in usage] == [(len(p), 24) for p in batch]
+    assert [(u.prompt_tokens, u.completion_tokens) for u in usage] == [(len(p), 20) for p in prompts(20, 0)]
 
 
 def test_seeded_sampling_through_the_front_end_equals_target_only_sampling(world):
@@ -132,24 +131,27 @@ def _channel(port: int, credentials: grpc.ChannelCredentials | None = None) -> g
     return grpc.secure_channel(target, credentials) if credentials else grpc.insecure_channel(target)
 
 
-def _target_only(loop: Loop, checkpoint, tokenizer, credentials: grpc.ChannelCredentials | None = None,
-                 **server_options) -> tuple[SplitVerifier, int]:
-    """A split target-only verifier on the tiny model, its front-end a real process: (core, port).
-    server_options: more ServerOptions (TLS, token); credentials: what the readiness check connects with."""
+@contextlib.contextmanager
+def _served(bare, credentials: grpc.ChannelCredentials | None = None, **server_options):
+    """A split target-only verifier on the tiny model, its front-end a real process: (core, stub), the stub's
+    channel made with `credentials`. server_options: more ServerOptions (TLS, token)."""
     port = free_port()
     options = grpc_common.ServerOptions(listen=f"127.0.0.1:{port}", grace_seconds=30, **server_options)
-    engine = TargetEngine(checkpoint=checkpoint, device="cpu", max_slots=4, max_context=MAX_CONTEXT)
+    engine = TargetEngine(checkpoint=bare.checkpoint, device="cpu", max_slots=4, max_context=MAX_CONTEXT)
     split = SplitVerifier(options, VerifierSettings(model_name="tiny"), VerifierMetrics(),
                           frontend.command(options, "INFO", "text"))
 
     async def up() -> None:
         await split.start_frontend()
-        await split.serve(engine, tokenizer, None, "tiny")
+        await split.serve(engine, bare.tokenizer, None, "tiny")
 
-    loop.run(up())
-    with _channel(port, credentials) as channel:
-        poll(lambda: serving(channel), timeout=60, what="SERVING")
-    return split, port
+    try:
+        bare.loop.run(up())
+        with _channel(port, credentials) as channel:
+            poll(lambda: serving(channel), timeout=60, what="SERVING")
+            yield split, generation_pb2_grpc.GenerationStub(channel)
+    finally:
+        bare.loop.run(split.close())
 
 
 def _long_request(stub, request_id: str, metadata=()):
@@ -169,66 +171,46 @@ def bare():
 
 
 def test_core_gone_ends_the_streams_unavailable_and_the_front_end_exits(bare):
-    split, port = _target_only(bare.loop, bare.checkpoint, bare.tokenizer)
-    try:
-        with _channel(port) as channel:
-            call = _long_request(generation_pb2_grpc.GenerationStub(channel), "orphan")
-            bare.loop.run(split._server.close())  # the core's end of the socket goes, as when it dies
-            last = list(call)[-1]
-            assert last.error.code == pb.ERROR_CODE_UNAVAILABLE and "core has gone" in last.error.message
+    with _served(bare) as (split, stub):
+        call = _long_request(stub, "orphan")
+        bare.loop.run(split._server.close())  # the core's end of the socket goes, as when it dies
+        last = list(call)[-1]
+        assert last.error.code == pb.ERROR_CODE_UNAVAILABLE and "core has gone" in last.error.message
         assert bare.loop.run(split.process.wait(), timeout=30) == 1
-    finally:
-        bare.loop.run(split.close())
 
 
 def test_front_end_killed_frees_its_requests_on_the_core(bare):
-    split, port = _target_only(bare.loop, bare.checkpoint, bare.tokenizer)
-    try:
-        with _channel(port) as channel:
-            stub = generation_pb2_grpc.GenerationStub(channel)
-            calls = [_long_request(stub, f"r{i}") for i in range(3)]
-            assert len(split.scheduler.running) == 3
-            split.process.kill()
-            for call in calls:
-                with pytest.raises(grpc.RpcError):
-                    list(call)
+    with _served(bare) as (split, stub):
+        calls = [_long_request(stub, f"r{i}") for i in range(3)]
+        assert len(split.scheduler.running) == 3
+        split.process.kill()
+        for call in calls:
+            with pytest.raises(grpc.RpcError):
+                list(call)
         poll(lambda: not split.scheduler.running and not split.scheduler.requests, what="requests aborted")
         assert split.scheduler.engine.num_free_slots == 4
-    finally:
-        bare.loop.run(split.close())
 
 
 def test_drain_lets_in_flight_streams_finish_and_exits_0(bare):
-    split, port = _target_only(bare.loop, bare.checkpoint, bare.tokenizer)
-    try:
-        with _channel(port) as channel:
-            stub = generation_pb2_grpc.GenerationStub(channel)
-            call = _long_request(stub, "in-flight")
-            split.drain()  # SIGTERM to the front-end, as the core forwards it
-            time.sleep(0.5)
-            with pytest.raises(grpc.RpcError):  # new calls are refused once draining
-                list(stub.Generate(pb.GenerateRequest(text="late"), timeout=10))
-            responses = list(call)
-            assert responses[-1].complete.finish_reason == pb.FINISH_REASON_LENGTH
-            assert sum(len(r.chunk.token_ids) for r in responses) == 150 - 1  # the first came before
+    with _served(bare) as (split, stub):
+        call = _long_request(stub, "in-flight")
+        split.drain()  # SIGTERM to the front-end, as the core forwards it
+        time.sleep(0.5)
+        with pytest.raises(grpc.RpcError):  # new calls are refused once draining
+            list(stub.Generate(pb.GenerateRequest(text="late"), timeout=10))
+        responses = list(call)
+        assert responses[-1].complete.finish_reason == pb.FINISH_REASON_LENGTH
+        assert sum(len(r.chunk.token_ids) for r in responses) == 150 - 1  # the first came before
         assert bare.loop.run(split.process.wait(), timeout=30) == 0
-    finally:
-        bare.loop.run(split.close())
 
 
 def test_the_token_guards_the_front_end(bare):
-    split, port = _target_only(bare.loop, bare.checkpoint, bare.tokenizer, token="s3cret")
-    try:
+    with _served(bare, token="s3cret") as (split, stub):
         assert "s3cret" not in " ".join(frontend.command(split.options, "INFO", "text")[0])  # not in argv
-        with _channel(port) as channel:
-            stub = generation_pb2_grpc.GenerationStub(channel)
-            with pytest.raises(grpc.RpcError) as refused:
-                list(stub.Generate(pb.GenerateRequest(text="hi"), timeout=10))
-            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
-            call = _long_request(stub, "with-token", metadata=grpc_common.auth_metadata("s3cret"))
-            call.cancel()
-    finally:
-        bare.loop.run(split.close())
+        with pytest.raises(grpc.RpcError) as refused:
+            list(stub.Generate(pb.GenerateRequest(text="hi"), timeout=10))
+        assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        _long_request(stub, "with-token", metadata=grpc_common.auth_metadata("s3cret")).cancel()
 
 
 def test_the_cli_split_verifier_gives_generates_greedy_tokens(tmp_path):
@@ -280,12 +262,58 @@ def test_mutual_tls_reaches_the_front_end(bare, pki):
     plaintext one is not."""
     (ca, _), (cert, key), (client_cert, client_key) = pki["ca"], pki["server"], pki["client"]
     credentials = grpc_common.channel_credentials(ca, client_cert, client_key)
-    split, port = _target_only(bare.loop, bare.checkpoint, bare.tokenizer, credentials,
-                               tls_cert=cert, tls_key=key, tls_client_ca=ca)
-    try:
-        with _channel(port, credentials) as channel:
-            _long_request(generation_pb2_grpc.GenerationStub(channel), "over-mtls").cancel()
+    with _served(bare, credentials, tls_cert=cert, tls_key=key, tls_client_ca=ca) as (split, stub):
+        _long_request(stub, "over-mtls").cancel()
+        port = int(split.options.listen.rsplit(":", 1)[1])
         with _channel(port) as plaintext, pytest.raises(grpc.RpcError):
             generation_pb2_grpc.GenerationStub(plaintext).GetModelInfo(pb.GetModelInfoRequest(), timeout=5)
-    finally:
-        bare.loop.run(split.close())
+
+
+def test_stop_strings_are_the_cores_and_the_rest_of_the_text_the_front_ends(world):
+    """The front-end detokenises requests without stop strings; one with stop strings gets its text (cut at
+    the stop string) from the core, which needs it to stop."""
+    v, prompt = world.verifier, prompts(1, seed=31)[0]
+    ids, text, complete = v.generate(prompt, max_tokens=24)
+    assert text == world.tokenizer.decode(ids) and complete.matched_stop == ""
+    stop = text[len(text) // 2:len(text) // 2 + 3]
+    assert stop.strip(), f"pick another seed: {text!r}"
+    _, cut, stopped = v.generate(prompt, max_tokens=24, stop=[stop])
+    assert stopped.finish_reason == pb.FINISH_REASON_STOP and stopped.matched_stop == stop
+    assert cut == text[:text.find(stop)]
+
+
+def test_a_decoding_tokenizer_from_json_decodes_as_the_models():
+    tokenizer = load_tokenizer(default_model_path())
+    decoding = Tokenizer.for_decoding(tokenizer.backend.to_str())
+    g = torch.Generator().manual_seed(5)
+    for _ in range(20):
+        ids = torch.randint(0, tokenizer.vocab_size, (int(torch.randint(1, 40, (1,), generator=g)),),
+                            generator=g).tolist()
+        assert decoding.decode(ids) == tokenizer.decode(ids)
+    assert decoding.vocab_size == tokenizer.vocab_size and decoding.fingerprint == tokenizer.fingerprint
+
+
+def test_the_front_ends_text_holds_a_split_character_until_it_is_whole():
+    """A character split across tokens (the coffee cup is three byte tokens): the chunks before its last
+    byte carry no text for it; a stream that ends inside it gets what is left in a chunk of its own before the
+    Complete, as the core's flush gives it."""
+    tokenizer = load_tokenizer(default_model_path())
+    decoding = Tokenizer.for_decoding(tokenizer.backend.to_str())
+    ids = tokenizer.encode("naïve café ☕")
+
+    async def read(pieces: list[int]) -> list[tuple[str, str]]:
+        stream, seen = frontend.Responses(IncrementalDetokenizer(decoding)), []
+        for piece in pieces:
+            stream.put(pb.GenerateResponse(request_id="r", chunk=pb.Chunk(token_ids=[piece])))
+            seen.append(("chunk", (await stream.next()).chunk.text))
+        stream.put(pb.GenerateResponse(request_id="r", complete=pb.Complete()))
+        while (response := await stream.next()).WhichOneof("event") == "chunk":
+            seen.append(("flush", response.chunk.text))
+        return [*seen, ("complete", "")]
+
+    whole = asyncio.run(read(ids))
+    assert [text for _, text in whole[-4:-1]] == ["", "", " ☕"] and whole[-1][0] == "complete"
+    assert "".join(text for _, text in whole) == tokenizer.decode(ids) == "naïve café ☕"
+    cut = asyncio.run(read(ids[:-1]))
+    assert cut[-2][0] == "flush" and cut[-2][1] == tokenizer.decode(ids[:-1])[len("naïve café"):]
+    assert "".join(text for _, text in cut) == tokenizer.decode(ids[:-1])

@@ -6,7 +6,8 @@ and a grpc.aio write per request per round, all on the thread that launches the 
 V1 is, the front-end process (frontend.py) owns the gRPC Generation service and its streams, and this process
 keeps the engine, the scheduler and the drafter link. Between them, an owner-only Unix socket with
 specwire.step_socket's framing and bounds: CoreCall messages in, and out one CoreEvents per turn of the
-scheduler's loop holding every stream's responses (what the round settled, detokenised here as before).
+scheduler's loop holding every stream's responses. The front-end also turns token ids into text (the core
+sends it the tokenizer first), but for requests with stop strings, whose text the core needs to stop them.
 """
 
 from __future__ import annotations
@@ -71,7 +72,9 @@ class FrontendConnection:
         self._flush_due = False
 
     async def serve(self) -> None:
-        """Takes the front-end's calls until it leaves; then its requests are aborted."""
+        """Sends the tokenizer, then takes the front-end's calls until it leaves; then its requests are
+        aborted."""
+        self._send(fpb.CoreEvents(tokenizer=self.scheduler.tokenizer.backend.to_str()))
         try:
             while (call := await self.socket.read()) is not None:
                 self._take(call)
@@ -103,7 +106,7 @@ class FrontendConnection:
                 raise in_flight_already(request_id)
             prompt, params = parse_request(self.scheduler, request)
             stream = _Stream(self, request_id)
-            stream.request = self.scheduler.submit(prompt, params, request_id, outputs=stream)
+            stream.request = self.scheduler.submit(prompt, params, request_id, outputs=stream, text=False)
         except RequestError as e:
             self._events.responses.append(rejected(self.metrics, request_id, e))
             self._flush_soon()

@@ -3,7 +3,8 @@
 `specwire verifier --frontend process` starts it: it serves the Generation service (with health, reflection,
 TLS and the token, as the one-process verifier does) and relays each call to the core over the core socket
 (core_socket.py, proto/specwire/v1/frontend.proto). Each client stream's writes happen here, on this process's
-own core and GIL, off the loop that launches the verifications. It loads no model and imports no torch.
+own core and GIL, off the loop that launches the verifications, and so does detokenising (with the tokenizer
+the core sends first) for requests without stop strings. It loads no model and imports no torch.
 
 Until the core is up, Generate answers UNAVAILABLE ("the model is still loading") and health says
 NOT_SERVING. If the core goes away, every open stream ends with UNAVAILABLE and this process exits 1.
@@ -24,6 +25,7 @@ import grpc
 from specwire.verifier.request_error import RequestError, error_response, in_flight_already
 
 from specwire import grpc_common, step_socket
+from specwire.tokenizer import IncrementalDetokenizer, Tokenizer
 from specwire.v1 import frontend_pb2 as fpb
 from specwire.v1 import generation_pb2 as pb
 from specwire.v1 import generation_pb2_grpc
@@ -35,11 +37,13 @@ MODEL_INFO_TIMEOUT_SECONDS = 10.0
 
 
 class Responses:
-    """One open request's responses from the core, in order: at most one a round and its last."""
+    """One open request's responses from the core, in order: at most one a round and its last. With a
+    detokenizer (a request without stop strings) the core sends token ids only and the text is made here."""
 
-    def __init__(self):
+    def __init__(self, detokenizer: IncrementalDetokenizer | None = None):
         self._waiting: deque[pb.GenerateResponse] = deque()
         self._arrived = asyncio.Event()
+        self._detokenizer = detokenizer
 
     def put(self, response: pb.GenerateResponse) -> None:
         self._waiting.append(response)
@@ -52,19 +56,25 @@ class Responses:
             self._arrived.clear()
             await self._arrived.wait()
         response = self._waiting.popleft()
-        while (response.WhichOneof("event") == "chunk" and self._waiting
-               and self._waiting[0].WhichOneof("event") == "chunk"):
-            following = self._waiting.popleft()
-            response.chunk.token_ids.extend(following.chunk.token_ids)
-            response.chunk.text += following.chunk.text
+        kind, detokenizer = response.WhichOneof("event"), self._detokenizer
+        if kind == "chunk":
+            while self._waiting and self._waiting[0].WhichOneof("event") == "chunk":
+                following = self._waiting.popleft()
+                response.chunk.token_ids.extend(following.chunk.token_ids)
+                response.chunk.text += following.chunk.text
+            if detokenizer is not None:
+                response.chunk.text = detokenizer.push(list(response.chunk.token_ids))
+        elif kind == "complete" and detokenizer is not None and (rest := detokenizer.flush()):
+            self._waiting.appendleft(response)  # the text held back (a split character) goes first
+            response = pb.GenerateResponse(request_id=response.request_id, chunk=pb.Chunk(text=rest))
         return response
 
 
 class CoreLink:
     """The connection to the core: calls out; each open stream's responses in."""
 
-    def __init__(self, socket: step_socket.MessageSocket):
-        self._socket = socket
+    def __init__(self, socket: step_socket.MessageSocket, tokenizer: Tokenizer):
+        self._socket, self.tokenizer = socket, tokenizer
         self.streams: dict[str, Responses] = {}
         self._model_info: dict[int, asyncio.Future] = {}
         self._nonces = itertools.count(1)
@@ -81,18 +91,23 @@ class CoreLink:
             except OSError:
                 await asyncio.sleep(CONNECT_RETRY_SECONDS)
                 continue
-            link = cls(socket)
+            hello = await socket.read()
+            if hello is None or not hello.tokenizer:
+                raise step_socket.FrameError("the core's first message holds no tokenizer")
+            link = cls(socket, Tokenizer.for_decoding(hello.tokenizer))
             link._reader = asyncio.get_running_loop().create_task(link._read())
             return link
         return None
 
-    def open(self, request_id: str) -> Responses:
-        """A stream for request_id, which the caller then submits."""
+    def open(self, request_id: str, stop: bool) -> Responses:
+        """A stream for request_id, which the caller then submits; stop: the request has stop strings (its
+        text comes from the core)."""
         if request_id in self.streams:
             raise in_flight_already(request_id)
         if self.lost.is_set():
             raise RequestError(pb.ERROR_CODE_UNAVAILABLE, "the verifier's core has gone")
-        responses = self.streams[request_id] = Responses()
+        detokenizer = None if stop else IncrementalDetokenizer(self.tokenizer)
+        responses = self.streams[request_id] = Responses(detokenizer)
         return responses
 
     def call(self, call: fpb.CoreCall) -> None:
@@ -151,7 +166,7 @@ class FrontendService(generation_pb2_grpc.GenerationServicer):
         try:
             if core is None:
                 raise RequestError(pb.ERROR_CODE_UNAVAILABLE, "the model is still loading")
-            responses = core.open(request_id)
+            responses = core.open(request_id, stop=bool(request.sampling.stop))
         except RequestError as e:
             yield error_response(request_id, e)
             return

@@ -155,7 +155,7 @@ class Request:
     params: SamplingParams
     seed: int
     eos_ids: frozenset[int]
-    detokenizer: IncrementalDetokenizer
+    detokenizer: IncrementalDetokenizer | None  # None: its text is made elsewhere (submit's text=False)
     outputs: OutputSink = field(default_factory=asyncio.Queue)
     arrived: float = field(default_factory=time.perf_counter)
     tokens: list[int] = field(default_factory=list)  # prompt + output
@@ -317,9 +317,11 @@ class Scheduler:
     # ------------------------------------------------------------------------------------------ requests
 
     def submit(self, prompt: list[int], params: SamplingParams, request_id: str = "",
-               outputs: OutputSink | None = None) -> Request:
+               outputs: OutputSink | None = None, text: bool = True) -> Request:
         """Queues a request, or raises RequestError naming what is wrong with it. Its outputs go to `outputs`
-        (a front-end process's stream, core_socket.py), else to a queue of its own, `Request.outputs`."""
+        (a front-end process's stream, core_socket.py), else to a queue of its own, `Request.outputs`.
+        text=False: its outputs carry token ids only, unless it has stop strings (the front-end makes the
+        text of the others)."""
         invalid = gpb.ERROR_CODE_INVALID_ARGUMENT
         if self.draining:
             raise RequestError(gpb.ERROR_CODE_UNAVAILABLE, "the server is shutting down")
@@ -332,7 +334,7 @@ class Scheduler:
             raise RequestError(invalid, f"prompt token id {bad[0]} out of range [0, {self.vocab_size})")
         try:
             params.validate(self.vocab_size, self.max_context)
-            detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop)
+            detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop) if text or params.stop else None
         except ValueError as e:
             raise RequestError(invalid, str(e)) from None
         if len(prompt) >= self.max_context:
@@ -469,7 +471,7 @@ class Scheduler:
         del self.requests[r.id]
         if r.abort is not None and r.finish_reason is None:
             r.finish_reason = "abort"
-            r.outputs.put_nowait(Output([], r.detokenizer.flush(), "abort"))
+            r.outputs.put_nowait(Output([], r.detokenizer.flush() if r.detokenizer else "", "abort"))
         reason = r.finish_reason
         self.metrics.requests_finished.labels(finish_reason=reason).inc()
         if reason in ("stop", "length"):
@@ -947,9 +949,9 @@ class Scheduler:
         for token in new_tokens:
             r.tokens.append(token)
             settled.append(token)
-            if r.params.stop:
+            if r.params.stop:  # such a request always has a detokenizer
                 text += r.detokenizer.push([token])
-            if token in r.eos_ids or r.detokenizer.stopped:
+            if token in r.eos_ids or (r.params.stop and r.detokenizer.stopped):
                 r.finish_reason = "stop"
             elif r.num_output >= r.params.max_tokens or len(r.tokens) >= self.max_context:
                 r.finish_reason = "length"
@@ -961,12 +963,12 @@ class Scheduler:
         """Streams settled tokens with their text (the rest of it once the request finished), once
         stream_interval of them have gathered; returns whether an output went to a gRPC stream of this
         process (which then needs a turn of the loop: _verify)."""
-        text = out.text
-        if not r.params.stop:
-            text += r.detokenizer.push(out.token_ids)
-        if out.finish_reason:
-            text += r.detokenizer.flush()
-            if r.detokenizer.stopped:
+        text, detokenizer = out.text, r.detokenizer
+        if detokenizer is not None and not r.params.stop:
+            text += detokenizer.push(out.token_ids)
+        if out.finish_reason and detokenizer is not None:
+            text += detokenizer.flush()
+            if detokenizer.stopped:
                 r.matched_stop = self._matched_stop(r)
         self.metrics.generation_tokens.inc(len(out.token_ids))
         r.unsent = Output(r.unsent.token_ids + out.token_ids, r.unsent.text + text, out.finish_reason)

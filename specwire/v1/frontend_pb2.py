@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from specwire.v1 import generation_pb2 as specwire_dot_v1_dot_generation__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aspecwire/v1/frontend.proto\x12\x0bspecwire.v1\x1a\x1cspecwire/v1/generation.proto\"\x81\x01\n\x08\x43oreCall\x12.\n\x06submit\x18\x01 \x01(\x0b\x32\x1c.specwire.v1.GenerateRequestH\x00\x12\'\n\x05\x61\x62ort\x18\x02 \x01(\x0b\x32\x16.specwire.v1.CoreAbortH\x00\x12\x14\n\nmodel_info\x18\x03 \x01(\x04H\x00\x42\x06\n\x04\x63\x61ll\"2\n\tCoreAbort\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tcancelled\x18\x02 \x01(\x08\"\x84\x01\n\nCoreEvents\x12\x30\n\tresponses\x18\x01 \x03(\x0b\x32\x1d.specwire.v1.GenerateResponse\x12*\n\nmodel_info\x18\x02 \x01(\x0b\x32\x16.specwire.v1.ModelInfo\x12\x18\n\x10model_info_nonce\x18\x03 \x01(\x04\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aspecwire/v1/frontend.proto\x12\x0bspecwire.v1\x1a\x1cspecwire/v1/generation.proto\"\x81\x01\n\x08\x43oreCall\x12.\n\x06submit\x18\x01 \x01(\x0b\x32\x1c.specwire.v1.GenerateRequestH\x00\x12\'\n\x05\x61\x62ort\x18\x02 \x01(\x0b\x32\x16.specwire.v1.CoreAbortH\x00\x12\x14\n\nmodel_info\x18\x03 \x01(\x04H\x00\x42\x06\n\x04\x63\x61ll\"2\n\tCoreAbort\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tcancelled\x18\x02 \x01(\x08\"\x97\x01\n\nCoreEvents\x12\x30\n\tresponses\x18\x01 \x03(\x0b\x32\x1d.specwire.v1.GenerateResponse\x12*\n\nmodel_info\x18\x02 \x01(\x0b\x32\x16.specwire.v1.ModelInfo\x12\x18\n\x10model_info_nonce\x18\x03 \x01(\x04\x12\x11\n\ttokenizer\x18\x04 \x01(\tb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,5 +37,5 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_COREABORT']._serialized_start=205
   _globals['_COREABORT']._serialized_end=255
   _globals['_COREEVENTS']._serialized_start=258
-  _globals['_COREEVENTS']._serialized_end=390
+  _globals['_COREEVENTS']._serialized_end=409
 # @@protoc_insertion_point(module_scope)

@@ -26,11 +26,13 @@ class CoreAbort(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., cancelled: _Optional[bool] = ...) -> None: ...
 
 class CoreEvents(_message.Message):
-    __slots__ = ("responses", "model_info", "model_info_nonce")
+    __slots__ = ("responses", "model_info", "model_info_nonce", "tokenizer")
     RESPONSES_FIELD_NUMBER: _ClassVar[int]
     MODEL_INFO_FIELD_NUMBER: _ClassVar[int]
     MODEL_INFO_NONCE_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_FIELD_NUMBER: _ClassVar[int]
     responses: _containers.RepeatedCompositeFieldContainer[_generation_pb2.GenerateResponse]
     model_info: _generation_pb2.ModelInfo
     model_info_nonce: int
-    def __init__(self, responses: _Optional[_Iterable[_Union[_generation_pb2.GenerateResponse, _Mapping]]] = ..., model_info: _Optional[_Union[_generation_pb2.ModelInfo, _Mapping]] = ..., model_info_nonce: _Optional[int] = ...) -> None: ...
+    tokenizer: str
+    def __init__(self, responses: _Optional[_Iterable[_Union[_generation_pb2.GenerateResponse, _Mapping]]] = ..., model_info: _Optional[_Union[_generation_pb2.ModelInfo, _Mapping]] = ..., model_info_nonce: _Optional[int] = ..., tokenizer: _Optional[str] = ...) -> None: ...
