@@ -71,7 +71,8 @@ class Responses:
 
 
 class CoreLink:
-    """The connection to the core: calls out; each open stream's responses in."""
+    """The connection to the core: calls out; each open stream's responses in (read from the start, on the
+    running loop)."""
 
     def __init__(self, socket: step_socket.MessageSocket, tokenizer: Tokenizer):
         self._socket, self.tokenizer = socket, tokenizer
@@ -79,6 +80,7 @@ class CoreLink:
         self._model_info: dict[int, asyncio.Future] = {}
         self._nonces = itertools.count(1)
         self.lost = asyncio.Event()
+        self._reader = asyncio.get_running_loop().create_task(self._read())
 
     @classmethod
     async def connect(cls, path: str, max_bytes: int, give_up: asyncio.Event) -> CoreLink | None:
@@ -94,9 +96,7 @@ class CoreLink:
             hello = await socket.read()
             if hello is None or not hello.tokenizer:
                 raise step_socket.FrameError("the core's first message holds no tokenizer")
-            link = cls(socket, Tokenizer.for_decoding(hello.tokenizer))
-            link._reader = asyncio.get_running_loop().create_task(link._read())
-            return link
+            return cls(socket, Tokenizer.for_decoding(hello.tokenizer))
         return None
 
     def open(self, request_id: str, stop: bool) -> Responses:
