@@ -142,8 +142,7 @@ def start_verifier(loop: Loop, checkpoint, tokenizer, drafter_port: int | None, 
         if frontend == "process":
             options = grpc_common.ServerOptions(listen=f"127.0.0.1:{free_port()}")
             split = SplitVerifier(options, settings, metrics, frontend_command(options, "WARNING", "text"))
-            await split.start_frontend()
-            await split.serve(engine, tokenizer, link, settings.model_name)
+            await split.start(engine, tokenizer, link, settings.model_name)
             return split, int(options.listen.rsplit(":", 1)[1])
         server = VerifierServer(grpc_common.ServerOptions(listen="127.0.0.1:0"), settings, metrics)
         return server, await server.start(engine, tokenizer, link)
@@ -155,12 +154,7 @@ def start_verifier(loop: Loop, checkpoint, tokenizer, drafter_port: int | None, 
 
 
 def stop_verifier(loop: Loop, server: VerifierServer | SplitVerifier) -> None:
-    if isinstance(server, SplitVerifier):
-        server.drain()
-        loop.run(server.process.wait())
-        loop.run(server.close())
-    else:
-        loop.run(server.stop(0))
+    loop.run(server.stop() if isinstance(server, SplitVerifier) else server.stop(0))
 
 
 def process_cpu_seconds(pid: int) -> float:

@@ -141,12 +141,8 @@ def _served(bare, credentials: grpc.ChannelCredentials | None = None, **server_o
     split = SplitVerifier(options, VerifierSettings(model_name="tiny"), VerifierMetrics(),
                           frontend.command(options, "INFO", "text"))
 
-    async def up() -> None:
-        await split.start_frontend()
-        await split.serve(engine, bare.tokenizer, None, "tiny")
-
     try:
-        bare.loop.run(up())
+        bare.loop.run(split.start(engine, bare.tokenizer, None, "tiny"))
         with _channel(port, credentials) as channel:
             poll(lambda: serving(channel), timeout=60, what="SERVING")
             yield split, generation_pb2_grpc.GenerationStub(channel)

@@ -209,8 +209,7 @@ class Verifier:
         options = grpc_common.ServerOptions(listen=f"127.0.0.1:{port}")
         command = frontend.command(options, "INFO", "text")
         self.server = SplitVerifier(options, settings, self.metrics, command)
-        await self.server.start_frontend()
-        await self.server.serve(self.engine, tokenizer, link, settings.model_name)
+        await self.server.start(self.engine, tokenizer, link, settings.model_name)
         return port
 
     def info(self) -> pb.ModelInfo:
@@ -245,12 +244,7 @@ class Verifier:
 
     def close(self):
         self.channel.close()
-        if isinstance(self.server, SplitVerifier):
-            self.server.drain()
-            self.loop.run(self.server.process.wait(), timeout=60)
-            self.loop.run(self.server.close())
-        else:
-            self.loop.run(self.server.stop(0))
+        self.loop.run(self.server.stop() if isinstance(self.server, SplitVerifier) else self.server.stop(0))
 
 
 @pytest.fixture(scope="module")

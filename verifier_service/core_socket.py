@@ -22,7 +22,7 @@ import tempfile
 from collections.abc import Awaitable, Callable
 
 from specwire.verifier.drafter_link import LocalDrafterLink
-from specwire.verifier.request_error import RequestError, in_flight_already
+from specwire.verifier.request_error import RequestError, error_response, in_flight_already
 from specwire.verifier.scheduler import Output, Request, Scheduler
 from specwire.verifier.server import (
     VerifierSettings,
@@ -122,8 +122,8 @@ class FrontendConnection:
             chunk.token_ids.extend(out.token_ids)
             chunk.text = out.text
         if out.finish_reason == "error":
-            error = pb.Error(code=pb.ERROR_CODE_INTERNAL, message=out.error)
-            self._events.responses.add(request_id=request_id, error=error)
+            failed = RequestError(pb.ERROR_CODE_INTERNAL, out.error)
+            self._events.responses.append(error_response(request_id, failed))
             self.streams.pop(request_id, None)
         elif out.finish_reason is not None:
             self._finished.append(stream)
@@ -220,6 +220,20 @@ class SplitVerifier:
         await self._server.start(self.path)
         log.info("verifier core ready", extra={"model": model_name, "device": str(engine.device),
                                                "drafter": self.settings.drafter})
+
+    async def start(self, engine: TargetEngine, tokenizer: Tokenizer, link: LocalDrafterLink | None,
+                    model_name: str) -> None:
+        """The front-end, then the scheduler: for a caller whose model is loaded already (serve_core loads
+        it while the front-end starts)."""
+        await self.start_frontend()
+        await self.serve(engine, tokenizer, link, model_name)
+
+    async def stop(self) -> int:
+        """Drains the front-end, waits for it to exit and closes: returns its exit code."""
+        self.drain()
+        returncode = await self.process.wait()
+        await self.close()
+        return returncode
 
     def drain(self) -> None:
         """The front-end drains: in-flight streams get the grace period while this process serves them."""

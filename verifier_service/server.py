@@ -73,8 +73,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                     yield pb.GenerateResponse(request_id=request_id,
                                               chunk=pb.Chunk(token_ids=out.token_ids, text=out.text))
                 if out.finish_reason == "error":
-                    yield pb.GenerateResponse(request_id=request_id, error=pb.Error(
-                        code=pb.ERROR_CODE_INTERNAL, message=out.error))
+                    yield error_response(request_id, RequestError(pb.ERROR_CODE_INTERNAL, out.error))
                     return
             yield pb.GenerateResponse(request_id=request_id, complete=complete(r))
         finally:
@@ -224,7 +223,6 @@ class VerifierServer:
         if self.scheduler is not None:
             await self.scheduler.close()
         self.metrics.close()
-
 
 
 def start_scheduler(settings: VerifierSettings, metrics: VerifierMetrics, engine: TargetEngine,
