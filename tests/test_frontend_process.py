@@ -24,9 +24,7 @@ from specwire.verifier.server import VerifierSettings
 from test_services_e2e import (
     MAX_CONTEXT,
     VOCAB,
-    Drafter,
     Loop,
-    Verifier,
     generate_all,
     greedy_equals_target_only,
     greedy_reference,
@@ -35,6 +33,7 @@ from test_services_e2e import (
     seeded_reference,
     serving,
     tiny_target,
+    world_of,
 )
 
 from specwire import grpc_common
@@ -49,18 +48,7 @@ from specwire.v1 import generation_pb2_grpc
 
 @pytest.fixture(scope="module")
 def world():
-    loop = Loop()
-    checkpoint = tiny_target()
-    tokenizer = load_tokenizer(default_model_path())
-    drafter = Drafter(loop, checkpoint, tokenizer.fingerprint)
-    verifier = Verifier(loop, checkpoint, tokenizer, drafter.port, frontend="process")
-    verifier.wait_connected()
-    w = type("World", (), dict(loop=loop, checkpoint=checkpoint, tokenizer=tokenizer, drafter=drafter,
-                               verifier=verifier))
-    yield w
-    w.verifier.close()
-    w.drafter.kill()
-    loop.close()
+    yield from world_of(frontend="process")
 
 
 def test_greedy_through_the_front_end_process_equals_target_only(world):

@@ -249,11 +249,17 @@ class Verifier:
 
 @pytest.fixture(scope="module")
 def world():
+    yield from world_of()
+
+
+def world_of(**verifier_settings):
+    """The tiny target, the bigram drafter and a verifier (Verifier's settings) connected to it, as a
+    fixture's body: closed when the generator ends."""
     loop = Loop()
     checkpoint = tiny_target()
     tokenizer = load_tokenizer(default_model_path())
     drafter = Drafter(loop, checkpoint, tokenizer.fingerprint)
-    verifier = Verifier(loop, checkpoint, tokenizer, drafter.port)
+    verifier = Verifier(loop, checkpoint, tokenizer, drafter.port, **verifier_settings)
     verifier.wait_connected()
     w = type("World", (), dict(loop=loop, checkpoint=checkpoint, tokenizer=tokenizer, drafter=drafter,
                                verifier=verifier))
