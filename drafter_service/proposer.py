@@ -415,6 +415,11 @@ class EagleProposer:
             self._draft_loop(size, mode, steps=max(ks))
         self._queued = (requests, ks, temperature, top_k)
 
+    def queued_drafts(self, n: int) -> torch.Tensor:
+        """The draft ids of the last queue_after_verification's n requests, [n, max_drafts] on this device, as
+        the queued work leaves them (cells past a request's drafts hold ids of no meaning)."""
+        return self._tokens[:n]
+
     def queued_counts(self) -> list[int]:
         """How many tokens each request of the last queue_after_verification settled (0 for a failed row),
         read once its sampler is done: for a drafter that is not told them."""

@@ -36,7 +36,7 @@ from specwire.metrics import DrafterMetrics
 from specwire.shared_features import host_id, open_table, shared_rows, unreadable_rows, visible_gpus
 from specwire.step_profiler import StepProfiler
 from specwire.step_socket import FrameError, MessageSocket
-from specwire.stream_values import HostSlot, wait_value
+from specwire.stream_values import RELEASED, HostSlot, wait_value, write_value
 from specwire.v1 import drafter_pb2 as pb
 from specwire.v1 import drafter_pb2_grpc
 from specwire.wire import (
@@ -96,19 +96,48 @@ class SettleTimeout(WireError):
 
 class _SharedOutput:
     """A stream's shared sampler output (flat int64, in the verifier's memory) and, on GPUs, the slot the
-    verifier's GPU writes each queued step's number into once that output is there."""
+    verifier's GPU writes each queued step's number into once that output is there; where the verifier
+    reads the drafts on its GPU, the buffer they go into (also its memory) and the slot this GPU writes the
+    step's number into behind them."""
 
     def __init__(self, buffer: torch.Tensor, slot: HostSlot | None):
         self.buffer, self.slot, self.sequence = buffer, slot, 0
+        self.drafts: torch.Tensor | None = None
+        self.drafted: HostSlot | None = None
 
-    def open_slot(self, path: str, device: torch.device) -> None:
+    @staticmethod
+    def _map_slot(path: str) -> HostSlot:
         try:
             slot = HostSlot(path)
         except (ValueError, OSError, RuntimeError) as e:
             raise WireError(f"queued drafts: cannot map the verifier's slot: {e}") from e
         slot.unlink()  # mapped by both processes now: nothing is left behind if either dies
+        return slot
+
+    def open_slot(self, path: str, device: torch.device) -> None:
+        slot = self._map_slot(path)
         self.close(device)  # (a verifier's second slot on one stream replaces the first)
         self.slot, self.sequence = slot, 0
+
+    def open_drafted(self, path: str, device: torch.device) -> None:
+        slot = self._map_slot(path)
+        self._close_drafted(device)  # (a verifier's second slot on one stream replaces the first)
+        self.drafted = slot
+
+    def return_drafts(self, drafts: torch.Tensor, sequence: int) -> None:
+        """Queues on this GPU, behind the drafting: drafts [n, width] into the verifier's buffer, then
+        `sequence` into its slot."""
+        n, width = drafts.shape
+        if n * width > self.drafts.numel():
+            raise WireError(f"queued drafts: {n} x {width} drafts do not fit the verifier's buffer of "
+                            f"{self.drafts.numel()}")
+        self.drafts.view(-1)[:n * width].view(n, width).copy_(drafts, non_blocking=True)
+        write_value(self.drafted, sequence, torch.cuda.current_stream(drafts.device))
+
+    def release_drafted(self, sequence: int) -> None:
+        """From the host: the verifier's GPU reads whatever the buffer holds (a refused step)."""
+        if self.drafted is not None and self.drafted.value < sequence:
+            self.drafted.set(sequence)
 
     def await_number(self, sequence: int, timeout: float) -> None:
         """Waits on the host until the verifier's GPU has written `sequence` (its sampler's output is in
@@ -122,16 +151,22 @@ class _SharedOutput:
             time.sleep(20e-6)
 
     def close(self, device: torch.device) -> None:
-        """Lets go of the slot (the stream ended, or another replaces it): no wait of this GPU outlives it."""
+        """Lets go of the slots (the stream ended, or another replaces it): no wait of either GPU outlives
+        them, and no write of this one is left queued into them."""
+        self._close_drafted(device)
         if self.slot is not None:
-            self.slot.set(_RELEASED)
+            self.slot.set(RELEASED)
             if device.type == "cuda":  # (a CPU drafter may hold a slot it refused: nothing waits on it)
                 torch.cuda.synchronize(device)
             self.slot.close()
             self.slot = None
 
-
-_RELEASED = 2**64 - 1  # a slot value every wait accepts
+    def _close_drafted(self, device: torch.device) -> None:
+        if self.drafted is not None:
+            self.drafted.set(RELEASED)
+            torch.cuda.synchronize(device)
+            self.drafted.close()
+            self.drafted = None
 
 
 class DrafterService(drafter_pb2_grpc.DrafterServicer):
@@ -168,7 +203,7 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
         if self.shared_features and proposer.device.type == "cuda":
             self.info.shared_features_host = host_id()
             self.info.shared_features_gpus.extend(visible_gpus())
-            self.info.queues_drafts = True
+            self.info.queues_drafts = self.info.returns_drafts_on_device = True
         self.proposer = proposer
 
     # ------------------------------------------------------------------------------------------ RPCs
@@ -344,6 +379,8 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
             try:
                 self._draft_queued(stream, owned, step.queued, result)
             except (WireError, ProposerError, ValueError) as e:  # the verifier re-sends these requests whole
+                if (shared := self._settled.get(stream)) is not None:  # its GPU may wait for these drafts
+                    shared.release_drafted(step.queued.sequence)
                 if self._queued:
                     self.take_drafts(owned, None)  # queued before the failure: nothing of it is kept
                 for want in step.queued.wants:
@@ -383,6 +420,10 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
                 self._settled[stream] = _SharedOutput(buffer, None)
         if queued.settled_slot and stream in self._settled:
             self._settled[stream].open_slot(queued.settled_slot, self.proposer.device)
+        if queued.HasField("drafts_buffer") and stream in self._settled:
+            self._settled[stream].drafts = open_table(queued.drafts_buffer, (torch.int64,))
+        if queued.drafts_slot and stream in self._settled:
+            self._settled[stream].open_drafted(queued.drafts_slot, self.proposer.device)
         if stream not in self._settled or stream not in self._tables:
             raise WireError("queued drafts on a stream that offered no sampler buffer or feature table")
         shared = self._settled[stream]
@@ -413,6 +454,8 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
         self.queue_drafts(stream, [w.request_id for w in wants], [w.num_drafts for w in wants], temperature,
                           top_k, buffer[:n * width].view(n, width), list(queued.rows), self._tables[stream],
                           list(queued.feature_cells))
+        if slot is not None and shared.drafted is not None and shared.drafts is not None:
+            shared.return_drafts(self.proposer.queued_drafts(len(wants)), queued.sequence)
         if slot is not None:
             shared.await_number(queued.sequence, self.settle_timeout)
         proposal = self.take_drafts(owned, self.proposer.queued_counts())

@@ -236,6 +236,11 @@ class VerifierMetrics(_ServiceMetrics):
             "co-located drafter without a DraftStep; one in another process on this host by a step sent "
             "while the target's forward runs), one per request and round.",
         )
+        self.drafts_read_on_device = c(
+            "queued_drafts_read_on_device",
+            "Verifications that read a drafter process's queued drafts on this GPU, behind the drafter's GPU "
+            "writing them, instead of waiting for its answer (greedy batches of unchanged requests).",
+        )
         self.requests_rejected = c(
             "requests_rejected", "Requests refused before they were queued, by error code.", ["code"]
         )

@@ -49,6 +49,7 @@ def _check(result: int, what: str) -> None:
 
 
 SLOT_DIR, SLOT_PREFIX = "/dev/shm", "specwire-slot-"
+RELEASED = 2**64 - 1  # a slot value every wait accepts
 
 
 class HostSlot:
@@ -93,6 +94,10 @@ class HostSlot:
     @property
     def value(self) -> int:
         return self._cell.value
+
+    @property
+    def closed(self) -> bool:
+        return self._map.closed
 
     def set(self, value: int) -> None:
         """Writes from the host (a wait that must end whatever the GPUs do)."""

@@ -10,11 +10,13 @@ by another process, which reads the same rows and copies them to another GPU, as
 """
 
 import asyncio
+import concurrent.futures
 import contextlib
 import os
 import socket
 import subprocess
 import sys
+import time
 from collections import Counter
 
 import grpc
@@ -499,17 +501,11 @@ def _greedy_outputs(port: int, prompts: list[list[int]], max_tokens: int) -> lis
     return outputs
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_a_drafter_process_queued_behind_the_sampler_gives_target_only_greedy_output(tmp_path):
-    """Real processes on the GPUs (the drafter on the first, the verifier on the last): with
-    --queue-drafts on, the drafter maps the verifier's sampler output and waits for its interprocess event
-    (the CUDA side the CPU tests above swap out). Greedy output must equal a target-only verifier's, and the
-    verifier must have queued drafts."""
-    from urllib.request import urlopen
-
-    from prometheus_client.parser import text_string_to_metric_families
-
+@contextlib.contextmanager
+def _queued_processes(tmp_path):
+    """Real processes on the GPUs: a drafter on the first, a verifier queuing its drafts on it (over the step
+    socket) and a target-only verifier on the last. Yields (drafter, verifier, target, verifier's metrics
+    port)."""
     from specwire.commands.demo import free_port, start, stop, wait_drafter_connected, wait_serving
 
     gpus, model, socket_path = torch.cuda.device_count(), "synthetic:tiny", str(tmp_path / "drafter.sock")
@@ -528,12 +524,52 @@ def test_a_drafter_process_queued_behind_the_sampler_gives_target_only_greedy_ou
         services += [verifier, target]
         wait_serving([verifier, target], 240)
         assert wait_drafter_connected(verifier.port, 120), verifier.log.read_text()[-2000:]
-        g = torch.Generator().manual_seed(7)
-        prompts = [torch.randint(3, 200, (int(n),), generator=g).tolist() for n in (5, 17, 40, 9)]
-        assert _greedy_outputs(verifier.port, prompts, 48) == _greedy_outputs(target.port, prompts, 48)
-        text = urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
-        queued = sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
-                     if s.name == "specwire_queued_drafts_total")
-        assert queued > 0, verifier.log.read_text()[-2000:]
+        yield drafter, verifier, target, metrics_port
     finally:
         stop(services)
+
+
+def _counter(port: int, name: str) -> float:
+    from urllib.request import urlopen
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name)
+
+
+def _prompts(lengths: tuple[int, ...]) -> list[list[int]]:
+    g = torch.Generator().manual_seed(7)
+    return [torch.randint(3, 200, (int(n),), generator=g).tolist() for n in lengths]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_drafter_process_queued_behind_the_sampler_gives_target_only_greedy_output(tmp_path):
+    """With --queue-drafts on, the drafter maps the verifier's sampler output and waits on its GPU for the
+    verifier's number, and returns its drafts into the verifier's memory, where the next verification reads
+    them behind the drafter's number (the CUDA side the CPU tests above swap out). Greedy output must equal a
+    target-only verifier's, and the verifier must have queued drafts and read them on its GPU."""
+    with _queued_processes(tmp_path) as (_, verifier, target, metrics_port):
+        prompts = _prompts((5, 17, 40, 9))
+        assert _greedy_outputs(verifier.port, prompts, 48) == _greedy_outputs(target.port, prompts, 48)
+        assert _counter(metrics_port, "specwire_queued_drafts_total") > 0, verifier.log.read_text()[-2000:]
+        assert _counter(metrics_port, "specwire_queued_drafts_read_on_device_total") > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_drafter_killed_while_the_verifier_reads_its_drafts_on_the_gpu_costs_no_request(tmp_path):
+    """SIGKILL the drafter process while verifications read its drafts on the GPU: the verifier's GPU must not
+    wait for a number that never comes, and every request must end with the target-only tokens."""
+    with _queued_processes(tmp_path) as (drafter, verifier, target, metrics_port):
+        prompts = _prompts((7, 30, 12))
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            outputs = pool.submit(_greedy_outputs, verifier.port, prompts, 400)
+            deadline = time.monotonic() + 120
+            while _counter(metrics_port, "specwire_queued_drafts_read_on_device_total") < 20:
+                assert time.monotonic() < deadline and not outputs.done(), verifier.log.read_text()[-2000:]
+                time.sleep(0.005)
+            drafter.process.kill()
+            assert outputs.result(timeout=120) == _greedy_outputs(target.port, prompts, 400)
+        assert verifier.process.poll() is None, "the verifier died with the drafter"

@@ -30,7 +30,7 @@ from specwire import grpc_common, round_trace
 from specwire.metrics import VerifierMetrics
 from specwire.shared_features import describe, device_uuid, host_id
 from specwire.step_socket import FrameError, MessageSocket
-from specwire.stream_values import HostSlot, write_value
+from specwire.stream_values import RELEASED, HostSlot, wait_value, write_value
 from specwire.v1 import drafter_pb2 as pb
 from specwire.v1 import drafter_pb2_grpc
 
@@ -260,10 +260,35 @@ class LocalDrafterLink(_StepResults):
 
 
 @dataclass
+class DeviceDrafts:
+    """A drafter process's queued drafts as its GPU leaves them in this verifier's memory: [n, width] ids
+    from the start of `buffer`, there once `slot` holds `sequence`."""
+
+    buffer: torch.Tensor
+    slot: HostSlot
+    sequence: int
+    width: int
+
+    def read(self, n: int, k: int, vocab_size: int) -> torch.Tensor:
+        """The first k drafts of each of the n rows, flat, read by work queued on the current stream from
+        now on once the drafter has written them (the host does not wait). Ids past the vocabulary (a
+        faulty drafter's) become the last id: drafts only decide what is accepted, never what is emitted."""
+        wait_value(self.slot, self.sequence, torch.cuda.current_stream(self.buffer.device))
+        rows = self.buffer.view(-1)[:n * self.width].view(n, self.width)
+        return rows[:, :k].clamp(0, vocab_size - 1).flatten()
+
+    def release(self) -> None:
+        """Ends this GPU's wait from the host (the drafter stalled or died): the buffer is read as it is."""
+        if not self.slot.closed and self.slot.value < self.sequence:
+            self.slot.set(self.sequence)
+
+
+@dataclass
 class QueuedDrafts:
     """Drafts queued behind a sampler, as the drafter left them: rows in queue order, ids on its device (an
     in-process drafter's `proposal`), or its answer to come (a drafter in another process: `answer`, awaited
-    by `arrive`, then read as a serial step's answer is)."""
+    by `arrive`, then read as a serial step's answer is; where it returns them on the device too,
+    `on_device`)."""
 
     request_ids: list[str]
     wants: list[Want]
@@ -272,6 +297,7 @@ class QueuedDrafts:
     answer: Callable[[], Awaitable[pb.DraftResult | None]] | None = None
     vocab_size: int = 0  # of the target, to check an answer's drafts against
     lost: bool = False  # the answer never came: what the drafter holds of these requests is unknown
+    on_device: DeviceDrafts | None = None
     _drafts: dict[str, Drafts] = field(default_factory=dict, repr=False)  # the answer's, by request id
 
     async def arrive(self) -> None:
@@ -302,6 +328,20 @@ class QueuedDrafts:
         if any(k > n for k, n in zip(self.proposal.num_drafts.tolist(), room, strict=True)):
             return None
         return self.proposal
+
+    def device_width(self, request_ids: list[str], room: list[int]) -> int:
+        """How many drafts per row a verification of `request_ids` reads of on_device before the answer
+        comes, or 0 (it waits for the answer): the same requests in the same order, all greedy (their drafts
+        carry no q, and a greedy row's output is the target's whatever its drafts are: a drafter that refused
+        the step, or dropped a request, costs acceptance only), each asking as many drafts and having room
+        for them."""
+        if self.on_device is None or self.answer is None or request_ids != self.request_ids:
+            return 0
+        ks = {w.num_drafts for w in self.wants}
+        k = ks.pop() if len(ks) == 1 else 0
+        if not 0 < k <= self.on_device.width or any(w.temperature > 0 for w in self.wants) or min(room) < k:
+            return 0
+        return k
 
     def per_request(self) -> dict[str, Drafts]:
         """The drafts by request id, on the host (this waits for an in-process drafter's)."""
@@ -362,6 +402,11 @@ class DrafterLink(_StepResults):
         self._slot: HostSlot | None = None  # on GPUs: the verifier's GPU writes each settled step's number
         self._slot_offered = False  # whether this stream has been offered it
         self._sequence = 0  # the number of the last queued step on the slot
+        # Where the drafter returns drafts on the device (DrafterInfo.returns_drafts_on_device): its GPU
+        # copies each queued step's draft ids into _drafts [n * max_num_drafts] here, then writes the step's
+        # number into _drafted (QueuedDrafts.drafts_buffer / drafts_slot).
+        self._drafts: torch.Tensor | None = None
+        self._drafted: HostSlot | None = None
         self._shape = (0, 0)  # the sampler output's, as announced
         self._announced: tuple[pb.DraftStep, list[str], list[Want]] | None = None  # a CPU's, until settled
         self._queued: tuple[asyncio.Future, list[str], list[Want]] | None = None  # the queued step sent
@@ -442,16 +487,26 @@ class DrafterLink(_StepResults):
         n, width = self._shape = settled_shape
         step = pb.DraftStep()
         queued = step.queued
+        on_device = features.is_cuda and self.info.returns_drafts_on_device
         if self._settled is None or self._settled.numel() < n * width:
             grown = max(n * width, 2 * (self._settled.numel() if self._settled is not None else 0))
             # zeros: a drafter released without a settle (drop_drafts) reads only tokens a sampler wrote, or 0
             self._settled = torch.zeros(grown, 1, dtype=torch.int64, device=features.device)
+            self._drafts = None
             self._settled_offered = False
+        if on_device and self._drafts is None:  # as many rows as the sampler output's buffer
+            rows = self._settled.numel() // width
+            self._drafts = torch.zeros(rows * self.info.max_num_drafts, 1, dtype=torch.int64,
+                                       device=features.device)
         if not self._settled_offered:
             queued.settled_buffer.CopyFrom(describe(self._settled))
+            if on_device:
+                queued.drafts_buffer.CopyFrom(describe(self._drafts))
         if features.is_cuda and not self._slot_offered:  # one a stream: the drafter unlinks it once mapped
             self._new_slot()
             queued.settled_slot = self._slot.path
+            if on_device:
+                queued.drafts_slot = self._drafted.path
         for rid, want in zip(request_ids, wants, strict=True):
             queued.wants.add(request_id=rid, num_drafts=want.num_drafts, temperature=want.temperature,
                              top_k=want.top_k)
@@ -495,16 +550,24 @@ class DrafterLink(_StepResults):
         return True
 
     def _new_slot(self) -> None:
-        """A fresh slot (for a stream that has not been offered one), numbered from 1."""
+        """Fresh slots (for a stream that has not been offered them), numbered from 1."""
         self._close_slot()
         self._slot, self._sequence = HostSlot(), 0
+        if self.info.returns_drafts_on_device:
+            self._drafted = HostSlot()
 
     def _close_slot(self) -> None:
+        if self._drafted is not None:  # no wait of this GPU for the drafter's number outlives it
+            self._drafted.set(RELEASED)
         if self._slot is not None:
             torch.cuda.synchronize(self.feature_device)  # no write into it is left queued
             self._slot.unlink()
             self._slot.close()
             self._slot = None
+        if self._drafted is not None:
+            self._drafted.unlink()
+            self._drafted.close()
+            self._drafted = None
 
     async def _send_soon(self, step: pb.DraftStep, request_ids: list[str], wants: list[Want]) -> bool:
         return self._send_queued(step, request_ids, wants)
@@ -514,8 +577,11 @@ class DrafterLink(_StepResults):
         (future, ids, asked), self._queued = self._queued, None
         if ids != request_ids:
             raise ValueError("take_drafts for other requests than announce_drafts queued")
+        on_device = None
+        if self._drafted is not None and self._drafts is not None:
+            on_device = DeviceDrafts(self._drafts, self._drafted, self._sequence, self.info.max_num_drafts)
         return QueuedDrafts(request_ids, asked, None, answer=lambda: self.result(future),
-                            vocab_size=self.handshake.vocab_size)
+                            vocab_size=self.handshake.vocab_size, on_device=on_device)
 
     def drop_drafts(self) -> None:
         """The verification lost its result: its queued step is left unread (the scheduler re-sends those
@@ -697,6 +763,8 @@ class DrafterLink(_StepResults):
         call.cancel()
         self._writer.cancel()
         self._call = None
+        if self._drafted is not None:  # this GPU waits for no drafts from a stream that is gone
+            self._drafted.set(RELEASED)
         self.metrics.drafter_features_shared.set(0)
         for pending in self._pending.values():
             if not pending.future.done():

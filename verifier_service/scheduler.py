@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import math
 import random
 import secrets
 import time
@@ -53,7 +54,7 @@ from specwire.verifier.alignment import (
     read_result,
     read_tables,
 )
-from specwire.verifier.drafter_link import DrafterLink, HandshakeRefused, QueuedDrafts
+from specwire.verifier.drafter_link import DeviceDrafts, DrafterLink, HandshakeRefused, QueuedDrafts
 from specwire.verifier.drafting_mode import MODES, QUEUED_MODES, DraftingMode
 from specwire.verifier.feature_store import FeatureStore
 from specwire.verifier.request_error import RequestError, in_flight_already
@@ -530,6 +531,7 @@ class Scheduler:
         # A serial epoch queues drafts as serial drafting does, but in its last round: whatever mode follows
         # then starts with none queued (an epoch without drafts verifies on the worker, which takes none).
         queueing = not caching or (mode == "serial" and not self._drafting.last_round_of_epoch)
+        arriving = None  # queued drafts read on the device, whose answer comes after the launch
         if caching:
             await self._take_drafts_ahead(live)  # a serial epoch's last step, also when "none" follows it
             await self._queued_arrived()  # a serial epoch's, queued behind the last sampler
@@ -552,13 +554,17 @@ class Scheduler:
             batch, sent = self._cached_drafts(live), None
         else:
             sent, self._in_flight = self._in_flight, None
-            result = await self.link.result(sent[0]) if sent else None
-            await self._queued_arrived()
-            batch = self._drafts_for(live, result, sent[1] if sent else {})
-            round_trace.mark("v.drafts")
-            live = [r for r in live if r.live]  # the wait may have let aborts in
-            if not live:
-                return
+            arriving = self._queued_drafts if sent is None else None
+            batch = self._drafts_on_device(live) if arriving is not None else None
+            if batch is None:
+                arriving = None
+                result = await self.link.result(sent[0]) if sent else None
+                await self._queued_arrived()
+                batch = self._drafts_for(live, result, sent[1] if sent else {})
+                round_trace.mark("v.drafts")
+                live = [r for r in live if r.live]  # the wait may have let aborts in
+                if not live:
+                    return
         if sent is None:
             self._count_if_down()
         if tabling:  # the tables for this verification's outcomes: the step needs nothing from it, so it goes
@@ -567,7 +573,8 @@ class Scheduler:
             sent = self._send_step(live, "tables", checking=batch.num_drafts)
             await asyncio.sleep(0)  # the link's writer puts it on the wire before this thread launches
         started = time.perf_counter()
-        step = await self._verify(live, batch, self._queueable(live, batch) if queueing else [])
+        step = await self._verify(live, batch, self._queueable(live, batch) if queueing else [],
+                                  arriving.on_device if arriving is not None else None)
         round_trace.mark("v.verified")
         self._verify_seconds = time.perf_counter() - started
         tables = await self._tables(sent) if caching else None
@@ -577,6 +584,8 @@ class Scheduler:
         finally:  # whatever happened, the drafter takes no other step before the drafts queued on it
             queued = self._take_queued_drafts(live, step)
         round_trace.mark("v.settled")
+        if arriving is not None:  # the answer that came with the drafts read on the device
+            await self._queued_arrived(arriving)
         if self.speculating and not caching:  # carried prompts go to the drafter with the others
             rest = [r for r in [*live, *step.carried] if r.live and r.id not in queued]
             if rest or self._frees:
@@ -590,12 +599,14 @@ class Scheduler:
                 rest = [r for r in live if r.live and r.id not in queued]
                 self._in_flight = self._send_step(rest, "serial")
 
-    async def _verify(self, live: list[Request], batch: BatchDrafts, queue: list[int]) -> _Step:
+    async def _verify(self, live: list[Request], batch: BatchDrafts, queue: list[int],
+                      drafter_writes: DeviceDrafts | None = None) -> _Step:
         """One verification, while the last round's tokens go out; the next drafts of rows `queue` are queued
         behind its sampler. On CUDA this thread launches and collects it itself: the GPU does the work, and a
         hand-off to the worker thread and back cost about 0.1 ms each of a 1.3-2.8 ms batch-1 round
         (bench/round_timeline.py). On a CPU the worker runs the forward, which would hold the loop for all of
-        it."""
+        it. drafter_writes: drafts it reads on the device where a drafter process's GPU writes them; if they
+        are not there within the link's step timeout, the GPU's wait is ended from here."""
         if self._verified is not None:
             launch = self._launch_verification(live, batch, queue)
             if launch.queued:  # the tokens are back before the drafts queued behind them are drafted
@@ -613,11 +624,15 @@ class Scheduler:
             # pile up until the socket is full, the poller blocks and every stream stalls until the loop
             # idles (co-located SmolLM2 at batch 16: after ~20 chunks, the last ~90 tokens came in one;
             # bench/bench_stream_starvation.py --min-turns shows it on a CPU).
-            turns = 0
+            turns, deadline = 0, time.perf_counter() + self.link.step_timeout if drafter_writes else math.inf
             await asyncio.sleep(0)
             while not verified() or turns < streamed:
                 await asyncio.sleep(0)
                 turns += 1
+                if time.perf_counter() > deadline:
+                    drafter_writes.release()
+                    self.metrics.fallbacks["timeout"].inc()
+                    deadline = math.inf
             return self._collect_verification(launch)
         loop = asyncio.get_running_loop()
         launched = loop.create_future()
@@ -855,6 +870,19 @@ class Scheduler:
                 drafts[r.id] = _cut(d, n)
         return batch_drafts([r.id for r in live], drafts, self.vocab_size)
 
+    def _drafts_on_device(self, live: list[Request]) -> BatchDrafts | None:
+        """The drafts queued behind the last sampler, read where a drafter process's GPU writes them, before
+        its answer comes (QueuedDrafts.device_width says when); None: they are read from the answer."""
+        queued = self._queued_drafts
+        k = queued.device_width([r.id for r in live], [self._num_drafts(r) for r in live])
+        if not k:
+            return None
+        self._queued_drafts = None
+        self.metrics.drafts_read_on_device.inc()
+        with torch.cuda.device(self.engine.device):
+            ids = queued.on_device.read(len(live), k, self.vocab_size)
+        return BatchDrafts([[0] * k for _ in live], None, ids)
+
     def _take_queued_drafts(self, live: list[Request], step: _Step) -> set[str]:
         """The drafts queued behind this round's sampler, kept for the next round where the drafter left
         them (not waited for: the next verification is queued behind them); returns the ids of the requests
@@ -870,11 +898,11 @@ class Scheduler:
         self._queued_drafts = queued
         return set(ids)
 
-    async def _queued_arrived(self) -> None:
-        """Waits for the drafts queued behind the last sampler where they come as an answer (a drafter in
-        another process); if it never comes, their requests are sent whole next step, as are those the
-        drafter dropped."""
-        queued = self._queued_drafts
+    async def _queued_arrived(self, queued: QueuedDrafts | None = None) -> None:
+        """Waits for the drafts queued behind the last sampler (or `queued`) where they come as an answer (a
+        drafter in another process); if it never comes, their requests are sent whole next step, as are
+        those the drafter dropped."""
+        queued = queued or self._queued_drafts
         if queued is None:
             return
         await queued.arrive()

@@ -24,49 +24,49 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19specwire/v1/drafter.proto\x12\x0bspecwire.v1\"H\n\x06Tensor\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12!\n\x05\x64type\x18\x02 \x01(\x0e\x32\x12.specwire.v1.DType\x12\r\n\x05shape\x18\x03 \x03(\x03\"\x9d\x01\n\x10HandshakeRequest\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x13\n\x0bhidden_size\x18\x03 \x01(\r\x12\x1d\n\x15tokenizer_fingerprint\x18\x04 \x01(\t\x12\x13\n\x0b\x66\x65\x61ture_dim\x18\x05 \x01(\r\x12\x12\n\nnum_layers\x18\x06 \x01(\r\"\xb1\x02\n\x0b\x44rafterInfo\x12\x0c\n\x04head\x18\x01 \x01(\t\x12\x13\n\x0b\x66\x65\x61ture_dim\x18\x02 \x01(\r\x12\x12\n\naux_layers\x18\x03 \x03(\r\x12\x16\n\x0emax_num_drafts\x18\x04 \x01(\r\x12\x14\n\x0cmax_requests\x18\x05 \x01(\r\x12)\n\rfeature_dtype\x18\x06 \x01(\x0e\x32\x12.specwire.v1.DType\x12\x14\n\x0cmax_branches\x18\x07 \x01(\r\x12\x0e\n\x06\x63hains\x18\x08 \x01(\x08\x12\x19\n\x11max_message_bytes\x18\t \x01(\x04\x12\x1c\n\x14shared_features_host\x18\n \x01(\t\x12\x1c\n\x14shared_features_gpus\x18\x0b \x03(\t\x12\x15\n\rqueues_drafts\x18\x0c \x01(\x08\"u\n\x11HandshakeResponse\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x0f\n\x07message\x18\x02 \x01(\t\x12)\n\x07\x64rafter\x18\x03 \x01(\x0b\x32\x18.specwire.v1.DrafterInfo\x12\x18\n\x10protocol_version\x18\x04 \x01(\r\"n\n\nNewRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12%\n\x08\x66\x65\x61tures\x18\x02 \x01(\x0b\x32\x13.specwire.v1.Tensor\x12\x17\n\nshared_row\x18\x03 \x01(\x04H\x00\x88\x01\x01\x42\r\n\x0b_shared_row\"~\n\x08\x41\x63\x63\x65pted\x12\x10\n\x08position\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12%\n\x08\x66\x65\x61tures\x18\x03 \x01(\x0b\x32\x13.specwire.v1.Tensor\x12\x17\n\nshared_row\x18\x04 \x01(\x04H\x00\x88\x01\x01\x42\r\n\x0b_shared_row\"\x06\n\x04\x46ree\"\xa9\x01\n\rRequestUpdate\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12.\n\x0bnew_request\x18\x02 \x01(\x0b\x32\x17.specwire.v1.NewRequestH\x00\x12)\n\x08\x61\x63\x63\x65pted\x18\x03 \x01(\x0b\x32\x15.specwire.v1.AcceptedH\x00\x12!\n\x04\x66ree\x18\x04 \x01(\x0b\x32\x11.specwire.v1.FreeH\x00\x42\x06\n\x04kind\"\xea\x01\n\tDraftWant\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nnum_drafts\x18\x02 \x01(\r\x12\x13\n\x0btemperature\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\r\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x00\x88\x01\x01\x12\x14\n\x0cnum_branches\x18\x06 \x01(\r\x12\x1d\n\x10verifying_branch\x18\x07 \x01(\rH\x01\x88\x01\x01\x12\x12\n\nkeep_chain\x18\x08 \x01(\x08\x12\x17\n\x0fverifying_chain\x18\t \x01(\x08\x42\x07\n\x05_seedB\x13\n\x11_verifying_branch\"\xd1\x01\n\tDraftStep\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12+\n\x07updates\x18\x02 \x03(\x0b\x32\x1a.specwire.v1.RequestUpdate\x12%\n\x05wants\x18\x03 \x03(\x0b\x32\x16.specwire.v1.DraftWant\x12\x34\n\x0fshared_features\x18\x04 \x01(\x0b\x32\x1b.specwire.v1.SharedFeatures\x12)\n\x06queued\x18\x05 \x01(\x0b\x32\x19.specwire.v1.QueuedDrafts\"\xe5\x01\n\x0cQueuedDrafts\x12%\n\x05wants\x18\x01 \x03(\x0b\x32\x16.specwire.v1.DraftWant\x12\x0c\n\x04rows\x18\x02 \x03(\r\x12\x15\n\rfeature_cells\x18\x03 \x03(\x04\x12\x15\n\rsettled_shape\x18\x04 \x03(\x04\x12\x33\n\x0esettled_buffer\x18\x05 \x01(\x0b\x32\x1b.specwire.v1.SharedFeatures\x12\x15\n\rsettled_event\x18\x06 \x01(\x0c\x12\x14\n\x0csettled_slot\x18\x07 \x01(\t\x12\x10\n\x08sequence\x18\x08 \x01(\x04\"\x93\x02\n\x0eSharedFeatures\x12\x13\n\x0b\x64\x65vice_uuid\x18\x01 \x01(\t\x12\x15\n\rmemory_handle\x18\x02 \x01(\x0c\x12\x1a\n\x12storage_size_bytes\x18\x03 \x01(\x04\x12\x1c\n\x14storage_offset_bytes\x18\x04 \x01(\x04\x12\x1a\n\x12ref_counter_handle\x18\x05 \x01(\x0c\x12\x1a\n\x12ref_counter_offset\x18\x06 \x01(\x04\x12\x14\n\x0c\x65vent_handle\x18\x07 \x01(\x0c\x12\x1b\n\x13\x65vent_sync_required\x18\x08 \x01(\x08\x12\r\n\x05shape\x18\t \x03(\x04\x12!\n\x05\x64type\x18\n \x01(\x0e\x32\x12.specwire.v1.DType\"X\n\x0bSparseProbs\x12$\n\x07indices\x18\x01 \x01(\x0b\x32\x13.specwire.v1.Tensor\x12#\n\x06values\x18\x02 \x01(\x0b\x32\x13.specwire.v1.Tensor\"A\n\x06\x42ranch\x12\r\n\x05index\x18\x01 \x01(\r\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x02 \x01(\r\x12\x16\n\x0e\x62onus_token_id\x18\x03 \x01(\r\"\xd6\x01\n\x08Proposal\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x17\n\x0f\x64raft_token_ids\x18\x02 \x03(\r\x12*\n\nprobs_kind\x18\x03 \x01(\x0e\x32\x16.specwire.v1.ProbsKind\x12\"\n\x05probs\x18\x04 \x01(\x0b\x32\x13.specwire.v1.Tensor\x12(\n\x06sparse\x18\x05 \x01(\x0b\x32\x18.specwire.v1.SparseProbs\x12#\n\x06\x62ranch\x18\x06 \x01(\x0b\x32\x13.specwire.v1.Branch\"\xac\x01\n\x0b\x44raftResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12(\n\tproposals\x18\x02 \x03(\x0b\x32\x15.specwire.v1.Proposal\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12\x17\n\x0f\x63ompute_seconds\x18\x04 \x01(\x01\x12\x1b\n\x13\x64ropped_request_ids\x18\x05 \x03(\t\x12\x1d\n\x15shared_features_error\x18\x06 \x01(\t*z\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x02\x12\x11\n\rDTYPE_FLOAT16\x10\x03\x12\x0f\n\x0b\x44TYPE_INT32\x10\x04\x12\x0f\n\x0b\x44TYPE_INT64\x10\x05*i\n\tProbsKind\x12\x1a\n\x16PROBS_KIND_UNSPECIFIED\x10\x00\x12\x13\n\x0fPROBS_KIND_NONE\x10\x01\x12\x14\n\x10PROBS_KIND_DENSE\x10\x02\x12\x15\n\x11PROBS_KIND_SPARSE\x10\x03\x32\x94\x01\n\x07\x44rafter\x12J\n\tHandshake\x12\x1d.specwire.v1.HandshakeRequest\x1a\x1e.specwire.v1.HandshakeResponse\x12=\n\x05\x44raft\x12\x16.specwire.v1.DraftStep\x1a\x18.specwire.v1.DraftResult(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19specwire/v1/drafter.proto\x12\x0bspecwire.v1\"H\n\x06Tensor\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12!\n\x05\x64type\x18\x02 \x01(\x0e\x32\x12.specwire.v1.DType\x12\r\n\x05shape\x18\x03 \x03(\x03\"\x9d\x01\n\x10HandshakeRequest\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x13\n\x0bhidden_size\x18\x03 \x01(\r\x12\x1d\n\x15tokenizer_fingerprint\x18\x04 \x01(\t\x12\x13\n\x0b\x66\x65\x61ture_dim\x18\x05 \x01(\r\x12\x12\n\nnum_layers\x18\x06 \x01(\r\"\xd3\x02\n\x0b\x44rafterInfo\x12\x0c\n\x04head\x18\x01 \x01(\t\x12\x13\n\x0b\x66\x65\x61ture_dim\x18\x02 \x01(\r\x12\x12\n\naux_layers\x18\x03 \x03(\r\x12\x16\n\x0emax_num_drafts\x18\x04 \x01(\r\x12\x14\n\x0cmax_requests\x18\x05 \x01(\r\x12)\n\rfeature_dtype\x18\x06 \x01(\x0e\x32\x12.specwire.v1.DType\x12\x14\n\x0cmax_branches\x18\x07 \x01(\r\x12\x0e\n\x06\x63hains\x18\x08 \x01(\x08\x12\x19\n\x11max_message_bytes\x18\t \x01(\x04\x12\x1c\n\x14shared_features_host\x18\n \x01(\t\x12\x1c\n\x14shared_features_gpus\x18\x0b \x03(\t\x12\x15\n\rqueues_drafts\x18\x0c \x01(\x08\x12 \n\x18returns_drafts_on_device\x18\r \x01(\x08\"u\n\x11HandshakeResponse\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x0f\n\x07message\x18\x02 \x01(\t\x12)\n\x07\x64rafter\x18\x03 \x01(\x0b\x32\x18.specwire.v1.DrafterInfo\x12\x18\n\x10protocol_version\x18\x04 \x01(\r\"n\n\nNewRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12%\n\x08\x66\x65\x61tures\x18\x02 \x01(\x0b\x32\x13.specwire.v1.Tensor\x12\x17\n\nshared_row\x18\x03 \x01(\x04H\x00\x88\x01\x01\x42\r\n\x0b_shared_row\"~\n\x08\x41\x63\x63\x65pted\x12\x10\n\x08position\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12%\n\x08\x66\x65\x61tures\x18\x03 \x01(\x0b\x32\x13.specwire.v1.Tensor\x12\x17\n\nshared_row\x18\x04 \x01(\x04H\x00\x88\x01\x01\x42\r\n\x0b_shared_row\"\x06\n\x04\x46ree\"\xa9\x01\n\rRequestUpdate\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12.\n\x0bnew_request\x18\x02 \x01(\x0b\x32\x17.specwire.v1.NewRequestH\x00\x12)\n\x08\x61\x63\x63\x65pted\x18\x03 \x01(\x0b\x32\x15.specwire.v1.AcceptedH\x00\x12!\n\x04\x66ree\x18\x04 \x01(\x0b\x32\x11.specwire.v1.FreeH\x00\x42\x06\n\x04kind\"\xea\x01\n\tDraftWant\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nnum_drafts\x18\x02 \x01(\r\x12\x13\n\x0btemperature\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\r\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x00\x88\x01\x01\x12\x14\n\x0cnum_branches\x18\x06 \x01(\r\x12\x1d\n\x10verifying_branch\x18\x07 \x01(\rH\x01\x88\x01\x01\x12\x12\n\nkeep_chain\x18\x08 \x01(\x08\x12\x17\n\x0fverifying_chain\x18\t \x01(\x08\x42\x07\n\x05_seedB\x13\n\x11_verifying_branch\"\xd1\x01\n\tDraftStep\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12+\n\x07updates\x18\x02 \x03(\x0b\x32\x1a.specwire.v1.RequestUpdate\x12%\n\x05wants\x18\x03 \x03(\x0b\x32\x16.specwire.v1.DraftWant\x12\x34\n\x0fshared_features\x18\x04 \x01(\x0b\x32\x1b.specwire.v1.SharedFeatures\x12)\n\x06queued\x18\x05 \x01(\x0b\x32\x19.specwire.v1.QueuedDrafts\"\xae\x02\n\x0cQueuedDrafts\x12%\n\x05wants\x18\x01 \x03(\x0b\x32\x16.specwire.v1.DraftWant\x12\x0c\n\x04rows\x18\x02 \x03(\r\x12\x15\n\rfeature_cells\x18\x03 \x03(\x04\x12\x15\n\rsettled_shape\x18\x04 \x03(\x04\x12\x33\n\x0esettled_buffer\x18\x05 \x01(\x0b\x32\x1b.specwire.v1.SharedFeatures\x12\x15\n\rsettled_event\x18\x06 \x01(\x0c\x12\x14\n\x0csettled_slot\x18\x07 \x01(\t\x12\x10\n\x08sequence\x18\x08 \x01(\x04\x12\x32\n\rdrafts_buffer\x18\t \x01(\x0b\x32\x1b.specwire.v1.SharedFeatures\x12\x13\n\x0b\x64rafts_slot\x18\n \x01(\t\"\x93\x02\n\x0eSharedFeatures\x12\x13\n\x0b\x64\x65vice_uuid\x18\x01 \x01(\t\x12\x15\n\rmemory_handle\x18\x02 \x01(\x0c\x12\x1a\n\x12storage_size_bytes\x18\x03 \x01(\x04\x12\x1c\n\x14storage_offset_bytes\x18\x04 \x01(\x04\x12\x1a\n\x12ref_counter_handle\x18\x05 \x01(\x0c\x12\x1a\n\x12ref_counter_offset\x18\x06 \x01(\x04\x12\x14\n\x0c\x65vent_handle\x18\x07 \x01(\x0c\x12\x1b\n\x13\x65vent_sync_required\x18\x08 \x01(\x08\x12\r\n\x05shape\x18\t \x03(\x04\x12!\n\x05\x64type\x18\n \x01(\x0e\x32\x12.specwire.v1.DType\"X\n\x0bSparseProbs\x12$\n\x07indices\x18\x01 \x01(\x0b\x32\x13.specwire.v1.Tensor\x12#\n\x06values\x18\x02 \x01(\x0b\x32\x13.specwire.v1.Tensor\"A\n\x06\x42ranch\x12\r\n\x05index\x18\x01 \x01(\r\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x02 \x01(\r\x12\x16\n\x0e\x62onus_token_id\x18\x03 \x01(\r\"\xd6\x01\n\x08Proposal\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x17\n\x0f\x64raft_token_ids\x18\x02 \x03(\r\x12*\n\nprobs_kind\x18\x03 \x01(\x0e\x32\x16.specwire.v1.ProbsKind\x12\"\n\x05probs\x18\x04 \x01(\x0b\x32\x13.specwire.v1.Tensor\x12(\n\x06sparse\x18\x05 \x01(\x0b\x32\x18.specwire.v1.SparseProbs\x12#\n\x06\x62ranch\x18\x06 \x01(\x0b\x32\x13.specwire.v1.Branch\"\xac\x01\n\x0b\x44raftResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12(\n\tproposals\x18\x02 \x03(\x0b\x32\x15.specwire.v1.Proposal\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12\x17\n\x0f\x63ompute_seconds\x18\x04 \x01(\x01\x12\x1b\n\x13\x64ropped_request_ids\x18\x05 \x03(\t\x12\x1d\n\x15shared_features_error\x18\x06 \x01(\t*z\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x02\x12\x11\n\rDTYPE_FLOAT16\x10\x03\x12\x0f\n\x0b\x44TYPE_INT32\x10\x04\x12\x0f\n\x0b\x44TYPE_INT64\x10\x05*i\n\tProbsKind\x12\x1a\n\x16PROBS_KIND_UNSPECIFIED\x10\x00\x12\x13\n\x0fPROBS_KIND_NONE\x10\x01\x12\x14\n\x10PROBS_KIND_DENSE\x10\x02\x12\x15\n\x11PROBS_KIND_SPARSE\x10\x03\x32\x94\x01\n\x07\x44rafter\x12J\n\tHandshake\x12\x1d.specwire.v1.HandshakeRequest\x1a\x1e.specwire.v1.HandshakeResponse\x12=\n\x05\x44raft\x12\x16.specwire.v1.DraftStep\x1a\x18.specwire.v1.DraftResult(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specwire.v1.drafter_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DTYPE']._serialized_start=2631
-  _globals['_DTYPE']._serialized_end=2753
-  _globals['_PROBSKIND']._serialized_start=2755
-  _globals['_PROBSKIND']._serialized_end=2860
+  _globals['_DTYPE']._serialized_start=2738
+  _globals['_DTYPE']._serialized_end=2860
+  _globals['_PROBSKIND']._serialized_start=2862
+  _globals['_PROBSKIND']._serialized_end=2967
   _globals['_TENSOR']._serialized_start=42
   _globals['_TENSOR']._serialized_end=114
   _globals['_HANDSHAKEREQUEST']._serialized_start=117
   _globals['_HANDSHAKEREQUEST']._serialized_end=274
   _globals['_DRAFTERINFO']._serialized_start=277
-  _globals['_DRAFTERINFO']._serialized_end=582
-  _globals['_HANDSHAKERESPONSE']._serialized_start=584
-  _globals['_HANDSHAKERESPONSE']._serialized_end=701
-  _globals['_NEWREQUEST']._serialized_start=703
-  _globals['_NEWREQUEST']._serialized_end=813
-  _globals['_ACCEPTED']._serialized_start=815
-  _globals['_ACCEPTED']._serialized_end=941
-  _globals['_FREE']._serialized_start=943
-  _globals['_FREE']._serialized_end=949
-  _globals['_REQUESTUPDATE']._serialized_start=952
-  _globals['_REQUESTUPDATE']._serialized_end=1121
-  _globals['_DRAFTWANT']._serialized_start=1124
-  _globals['_DRAFTWANT']._serialized_end=1358
-  _globals['_DRAFTSTEP']._serialized_start=1361
-  _globals['_DRAFTSTEP']._serialized_end=1570
-  _globals['_QUEUEDDRAFTS']._serialized_start=1573
-  _globals['_QUEUEDDRAFTS']._serialized_end=1802
-  _globals['_SHAREDFEATURES']._serialized_start=1805
-  _globals['_SHAREDFEATURES']._serialized_end=2080
-  _globals['_SPARSEPROBS']._serialized_start=2082
-  _globals['_SPARSEPROBS']._serialized_end=2170
-  _globals['_BRANCH']._serialized_start=2172
-  _globals['_BRANCH']._serialized_end=2237
-  _globals['_PROPOSAL']._serialized_start=2240
-  _globals['_PROPOSAL']._serialized_end=2454
-  _globals['_DRAFTRESULT']._serialized_start=2457
-  _globals['_DRAFTRESULT']._serialized_end=2629
-  _globals['_DRAFTER']._serialized_start=2863
-  _globals['_DRAFTER']._serialized_end=3011
+  _globals['_DRAFTERINFO']._serialized_end=616
+  _globals['_HANDSHAKERESPONSE']._serialized_start=618
+  _globals['_HANDSHAKERESPONSE']._serialized_end=735
+  _globals['_NEWREQUEST']._serialized_start=737
+  _globals['_NEWREQUEST']._serialized_end=847
+  _globals['_ACCEPTED']._serialized_start=849
+  _globals['_ACCEPTED']._serialized_end=975
+  _globals['_FREE']._serialized_start=977
+  _globals['_FREE']._serialized_end=983
+  _globals['_REQUESTUPDATE']._serialized_start=986
+  _globals['_REQUESTUPDATE']._serialized_end=1155
+  _globals['_DRAFTWANT']._serialized_start=1158
+  _globals['_DRAFTWANT']._serialized_end=1392
+  _globals['_DRAFTSTEP']._serialized_start=1395
+  _globals['_DRAFTSTEP']._serialized_end=1604
+  _globals['_QUEUEDDRAFTS']._serialized_start=1607
+  _globals['_QUEUEDDRAFTS']._serialized_end=1909
+  _globals['_SHAREDFEATURES']._serialized_start=1912
+  _globals['_SHAREDFEATURES']._serialized_end=2187
+  _globals['_SPARSEPROBS']._serialized_start=2189
+  _globals['_SPARSEPROBS']._serialized_end=2277
+  _globals['_BRANCH']._serialized_start=2279
+  _globals['_BRANCH']._serialized_end=2344
+  _globals['_PROPOSAL']._serialized_start=2347
+  _globals['_PROPOSAL']._serialized_end=2561
+  _globals['_DRAFTRESULT']._serialized_start=2564
+  _globals['_DRAFTRESULT']._serialized_end=2736
+  _globals['_DRAFTER']._serialized_start=2970
+  _globals['_DRAFTER']._serialized_end=3118
 # @@protoc_insertion_point(module_scope)

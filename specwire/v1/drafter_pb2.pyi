@@ -60,7 +60,7 @@ class HandshakeRequest(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., feature_dim: _Optional[int] = ..., num_layers: _Optional[int] = ...) -> None: ...
 
 class DrafterInfo(_message.Message):
-    __slots__ = ("head", "feature_dim", "aux_layers", "max_num_drafts", "max_requests", "feature_dtype", "max_branches", "chains", "max_message_bytes", "shared_features_host", "shared_features_gpus", "queues_drafts")
+    __slots__ = ("head", "feature_dim", "aux_layers", "max_num_drafts", "max_requests", "feature_dtype", "max_branches", "chains", "max_message_bytes", "shared_features_host", "shared_features_gpus", "queues_drafts", "returns_drafts_on_device")
     HEAD_FIELD_NUMBER: _ClassVar[int]
     FEATURE_DIM_FIELD_NUMBER: _ClassVar[int]
     AUX_LAYERS_FIELD_NUMBER: _ClassVar[int]
@@ -73,6 +73,7 @@ class DrafterInfo(_message.Message):
     SHARED_FEATURES_HOST_FIELD_NUMBER: _ClassVar[int]
     SHARED_FEATURES_GPUS_FIELD_NUMBER: _ClassVar[int]
     QUEUES_DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    RETURNS_DRAFTS_ON_DEVICE_FIELD_NUMBER: _ClassVar[int]
     head: str
     feature_dim: int
     aux_layers: _containers.RepeatedScalarFieldContainer[int]
@@ -85,7 +86,8 @@ class DrafterInfo(_message.Message):
     shared_features_host: str
     shared_features_gpus: _containers.RepeatedScalarFieldContainer[str]
     queues_drafts: bool
-    def __init__(self, head: _Optional[str] = ..., feature_dim: _Optional[int] = ..., aux_layers: _Optional[_Iterable[int]] = ..., max_num_drafts: _Optional[int] = ..., max_requests: _Optional[int] = ..., feature_dtype: _Optional[_Union[DType, str]] = ..., max_branches: _Optional[int] = ..., chains: _Optional[bool] = ..., max_message_bytes: _Optional[int] = ..., shared_features_host: _Optional[str] = ..., shared_features_gpus: _Optional[_Iterable[str]] = ..., queues_drafts: _Optional[bool] = ...) -> None: ...
+    returns_drafts_on_device: bool
+    def __init__(self, head: _Optional[str] = ..., feature_dim: _Optional[int] = ..., aux_layers: _Optional[_Iterable[int]] = ..., max_num_drafts: _Optional[int] = ..., max_requests: _Optional[int] = ..., feature_dtype: _Optional[_Union[DType, str]] = ..., max_branches: _Optional[int] = ..., chains: _Optional[bool] = ..., max_message_bytes: _Optional[int] = ..., shared_features_host: _Optional[str] = ..., shared_features_gpus: _Optional[_Iterable[str]] = ..., queues_drafts: _Optional[bool] = ..., returns_drafts_on_device: _Optional[bool] = ...) -> None: ...
 
 class HandshakeResponse(_message.Message):
     __slots__ = ("ok", "message", "drafter", "protocol_version")
@@ -174,7 +176,7 @@ class DraftStep(_message.Message):
     def __init__(self, step_id: _Optional[int] = ..., updates: _Optional[_Iterable[_Union[RequestUpdate, _Mapping]]] = ..., wants: _Optional[_Iterable[_Union[DraftWant, _Mapping]]] = ..., shared_features: _Optional[_Union[SharedFeatures, _Mapping]] = ..., queued: _Optional[_Union[QueuedDrafts, _Mapping]] = ...) -> None: ...
 
 class QueuedDrafts(_message.Message):
-    __slots__ = ("wants", "rows", "feature_cells", "settled_shape", "settled_buffer", "settled_event", "settled_slot", "sequence")
+    __slots__ = ("wants", "rows", "feature_cells", "settled_shape", "settled_buffer", "settled_event", "settled_slot", "sequence", "drafts_buffer", "drafts_slot")
     WANTS_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
     FEATURE_CELLS_FIELD_NUMBER: _ClassVar[int]
@@ -183,6 +185,8 @@ class QueuedDrafts(_message.Message):
     SETTLED_EVENT_FIELD_NUMBER: _ClassVar[int]
     SETTLED_SLOT_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    DRAFTS_BUFFER_FIELD_NUMBER: _ClassVar[int]
+    DRAFTS_SLOT_FIELD_NUMBER: _ClassVar[int]
     wants: _containers.RepeatedCompositeFieldContainer[DraftWant]
     rows: _containers.RepeatedScalarFieldContainer[int]
     feature_cells: _containers.RepeatedScalarFieldContainer[int]
@@ -191,7 +195,9 @@ class QueuedDrafts(_message.Message):
     settled_event: bytes
     settled_slot: str
     sequence: int
-    def __init__(self, wants: _Optional[_Iterable[_Union[DraftWant, _Mapping]]] = ..., rows: _Optional[_Iterable[int]] = ..., feature_cells: _Optional[_Iterable[int]] = ..., settled_shape: _Optional[_Iterable[int]] = ..., settled_buffer: _Optional[_Union[SharedFeatures, _Mapping]] = ..., settled_event: _Optional[bytes] = ..., settled_slot: _Optional[str] = ..., sequence: _Optional[int] = ...) -> None: ...
+    drafts_buffer: SharedFeatures
+    drafts_slot: str
+    def __init__(self, wants: _Optional[_Iterable[_Union[DraftWant, _Mapping]]] = ..., rows: _Optional[_Iterable[int]] = ..., feature_cells: _Optional[_Iterable[int]] = ..., settled_shape: _Optional[_Iterable[int]] = ..., settled_buffer: _Optional[_Union[SharedFeatures, _Mapping]] = ..., settled_event: _Optional[bytes] = ..., settled_slot: _Optional[str] = ..., sequence: _Optional[int] = ..., drafts_buffer: _Optional[_Union[SharedFeatures, _Mapping]] = ..., drafts_slot: _Optional[str] = ...) -> None: ...
 
 class SharedFeatures(_message.Message):
     __slots__ = ("device_uuid", "memory_handle", "storage_size_bytes", "storage_offset_bytes", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required", "shape", "dtype")
