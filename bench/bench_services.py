@@ -276,6 +276,9 @@ def measure(client: Client, port: int, metric_ports: dict[str, int | None], gpus
                                  "verifier", "specwire_stream_outputs_joined_total"),
                              # requests a round whose next drafts were queued behind its sampler
                              "queued_drafts": delta.get("verifier", "specwire_queued_drafts_total"),
+                             # verifications that read a drafter process's queued drafts on the GPU
+                             "drafts_read_on_device": delta.get(
+                                 "verifier", "specwire_queued_drafts_read_on_device_total"),
                              "_chunks": [{"sent": t.sent_at - start, "arrivals": t.arrivals,
                                           "tokens": t.chunk_tokens} for t in timings],
                              "_step_seconds": delta.get("verifier", "specwire_verify_step_seconds_sum"),
