@@ -879,8 +879,7 @@ class Scheduler:
             return None
         self._queued_drafts = None
         self.metrics.drafts_read_on_device.inc()
-        with torch.cuda.device(self.engine.device):
-            ids = queued.on_device.read(len(live), k, self.vocab_size)
+        ids = queued.on_device.read(len(live), k, self.vocab_size)
         return BatchDrafts([[0] * k for _ in live], None, ids)
 
     def _take_queued_drafts(self, live: list[Request], step: _Step) -> set[str]:
