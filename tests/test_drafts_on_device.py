@@ -59,15 +59,18 @@ def test_drafts_are_not_read_on_the_device_without_a_buffer_or_once_answered(slo
 def test_the_gpu_reads_the_drafts_once_written_and_a_release_from_the_host_ends_its_wait(slot):
     device = torch.device("cuda", torch.cuda.device_count() - 1)
     buffer = torch.zeros(2 * K, 1, dtype=torch.int64, device=device)
+    # Made before the wait: while the current stream waits, nothing may sync with it (a host-to-device copy
+    # from pageable memory would, and hang the test)
+    written = torch.tensor([[5, 10**9, -3, 7], [1, 2, 99, 100]], device=device)
+    drafter = torch.cuda.Stream(device)  # as a drafter's GPU: the drafts, then the number behind them
+    torch.cuda.synchronize(device)
     with torch.cuda.device(device):
         ids = DeviceDrafts(buffer, slot, 1, K).read(2, 3, vocab_size=100)
         done = torch.cuda.Event()
         done.record()
         time.sleep(0.05)
         assert not done.query(), "the read did not wait for the drafter's number"
-        drafter = torch.cuda.Stream(device)  # as a drafter's GPU: the drafts, then the number behind them
         with torch.cuda.stream(drafter):
-            written = torch.tensor([[5, 10**9, -3, 7], [1, 2, 99, 100]], device=device)
             buffer.view(2, K).copy_(written)
             write_value(slot, 1, drafter)
         torch.cuda.synchronize(device)
