@@ -18,6 +18,9 @@ import functools
 import mmap
 import os
 import secrets
+import threading
+import time
+from collections.abc import Callable
 
 import torch
 
@@ -127,3 +130,43 @@ def wait_value(slot: HostSlot, value: int, stream: torch.cuda.Stream) -> None:
     with torch.cuda.device(stream.device):
         _check(_driver().cuStreamWaitValue64_v2(stream.cuda_stream, slot.address, value, _WAIT_GEQ),
                "cuStreamWaitValue64")
+
+
+class SlotWatch:
+    """Writes a slot's number from the host when a GPU has waited for it too long (the writer stalled or
+    died), from a thread of its own: the thread that queued the wait may itself be held in a CUDA call that
+    waits for that GPU. One wait watched at a time, the latest: a new one replaces it. The thread sleeps
+    until the deadline, so an unchanged due costs nothing a round."""
+
+    def __init__(self, on_release: Callable[[], None] = lambda: None):
+        self.on_release = on_release
+        self._ready = threading.Condition()
+        self._due: tuple[HostSlot, int, float] | None = None
+        self._thread: threading.Thread | None = None
+
+    def watch(self, slot: HostSlot, value: int, seconds: float) -> None:
+        with self._ready:
+            at = time.monotonic() + seconds
+            sooner = self._due is None or at < self._due[2]
+            self._due = (slot, value, at)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="slot-watch", daemon=True)
+                self._thread.start()
+            elif sooner:  # else the thread wakes at the earlier deadline and finds this one
+                self._ready.notify()
+
+    def _run(self) -> None:
+        with self._ready:
+            while True:
+                if self._due is None:
+                    self._ready.wait()
+                    continue
+                slot, value, at = self._due
+                if (left := at - time.monotonic()) > 0:
+                    self._ready.wait(left)
+                    continue
+                self._due = None
+                with contextlib.suppress(ValueError, AttributeError):  # (the slot closed meanwhile)
+                    if not slot.closed and slot.value < value:
+                        slot.set(value)
+                        self.on_release()

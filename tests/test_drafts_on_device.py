@@ -9,7 +9,7 @@ import torch
 from specwire.verifier.alignment import Want
 from specwire.verifier.drafter_link import DeviceDrafts, QueuedDrafts
 
-from specwire.stream_values import HostSlot, write_value
+from specwire.stream_values import HostSlot, SlotWatch, write_value
 
 K = 4
 
@@ -27,7 +27,8 @@ def slot():
 
 
 def _queued(slot: HostSlot, wants: list[Want], ids=("a", "b", "c"), on_device: bool = True) -> QueuedDrafts:
-    device = DeviceDrafts(torch.zeros(8 * K, 1, dtype=torch.int64), slot, 1, K) if on_device else None
+    device = DeviceDrafts(torch.zeros(8 * K, 1, dtype=torch.int64), slot, 1, K, SlotWatch(), 0.5) \
+        if on_device else None
     return QueuedDrafts(list(ids), wants, None, answer=_no_answer, vocab_size=100, on_device=device)
 
 
@@ -56,16 +57,22 @@ def test_drafts_are_not_read_on_the_device_without_a_buffer_or_once_answered(slo
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_the_gpu_reads_the_drafts_once_written_and_a_release_from_the_host_ends_its_wait(slot):
+def test_the_gpu_reads_the_drafts_once_written_and_a_stalled_wait_is_ended_from_the_host(slot):
     device = torch.device("cuda", torch.cuda.device_count() - 1)
     buffer = torch.zeros(2 * K, 1, dtype=torch.int64, device=device)
-    # Made before the wait: while the current stream waits, nothing may sync with it (a host-to-device copy
-    # from pageable memory would, and hang the test)
+    # Made before the wait: while the current stream waits, nothing of this thread may sync with it, and a
+    # kernel's first launch (its module loaded lazily) or a copy from pageable memory would, hanging the test
+    # (a drafter's writes come from another process)
     written = torch.tensor([[5, 10**9, -3, 7], [1, 2, 99, 100]], device=device)
+    written.clamp(0, 99).flatten()
     drafter = torch.cuda.Stream(device)  # as a drafter's GPU: the drafts, then the number behind them
+    with torch.cuda.stream(drafter):
+        buffer.view(2, K).copy_(buffer.view(2, K))
     torch.cuda.synchronize(device)
     with torch.cuda.device(device):
-        ids = DeviceDrafts(buffer, slot, 1, K).read(2, 3, vocab_size=100)
+        releases = []
+        watch = SlotWatch(lambda: releases.append(slot.value))
+        ids = DeviceDrafts(buffer, slot, 1, K, watch, 30.0).read(2, 3, vocab_size=100)
         done = torch.cuda.Event()
         done.record()
         time.sleep(0.05)
@@ -76,14 +83,13 @@ def test_the_gpu_reads_the_drafts_once_written_and_a_release_from_the_host_ends_
         torch.cuda.synchronize(device)
         assert ids.tolist() == [5, 99, 0, 1, 2, 99], "ids outside the vocabulary must be clamped into it"
 
-        stalled = DeviceDrafts(buffer, slot, 2, K)
-        again = stalled.read(2, 2, vocab_size=100)
+        assert not releases, "a wait that ended in time was released"
+        again = DeviceDrafts(buffer, slot, 2, K, watch, 0.3).read(2, 2, vocab_size=100)  # no write comes
         done.record()
         time.sleep(0.05)
         assert not done.query()
-        stalled.release()  # the drafter died: the buffer is read as it is
         deadline = time.monotonic() + 10
-        while not done.query():
-            assert time.monotonic() < deadline, "the host's release did not end the GPU's wait"
+        while not done.query():  # the watch ends the wait: the buffer is read as it is
+            assert time.monotonic() < deadline, "the stalled wait was not ended from the host"
             time.sleep(0.001)
-        assert again.tolist() == [5, 99, 1, 2] and slot.value == 2
+        assert again.tolist() == [5, 99, 1, 2] and releases == [2]

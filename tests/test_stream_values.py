@@ -11,7 +11,7 @@ import pytest
 import torch
 from specwire.drafter.server import SettleTimeout, _SharedOutput
 
-from specwire.stream_values import SLOT_DIR, HostSlot
+from specwire.stream_values import SLOT_DIR, HostSlot, SlotWatch
 
 
 def _write_from_another_process(path: str, value: int) -> None:
@@ -84,6 +84,37 @@ def test_a_cpu_drafter_lets_go_of_a_slot_it_was_offered():
         shared = _SharedOutput(buffer=None, slot=HostSlot(slot.path))
         shared.close(torch.device("cpu"))
         assert shared.slot is None and slot.value == 2**64 - 1
+    finally:
+        slot.unlink()
+        slot.close()
+
+
+def _until(condition, seconds: float = 10.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.002)
+    return True
+
+
+def test_a_watched_wait_not_written_in_time_is_ended_from_the_host_and_one_written_is_not():
+    """SlotWatch, which ends a verifier GPU's wait for drafts a drafter process never wrote: it writes the
+    number once the deadline passes, only if the writer has not, and watches the latest wait only."""
+    slot = HostSlot()
+    released = []
+    watch = SlotWatch(lambda: released.append(slot.value))
+    try:
+        watch.watch(slot, 3, 0.1)
+        assert _until(lambda: slot.value == 3) and released == [3]
+        watch.watch(slot, 4, 0.1)
+        slot.set(4)  # written in time
+        time.sleep(0.3)
+        assert slot.value == 4 and released == [3]
+        watch.watch(slot, 5, 30.0)
+        time.sleep(0.05)  # the thread sleeps towards the 30 s deadline
+        watch.watch(slot, 6, 0.1)  # replaces it: 6 is written, the 30 s deadline is gone with it
+        assert _until(lambda: slot.value == 6) and released == [3, 6]
     finally:
         slot.unlink()
         slot.close()

@@ -30,7 +30,7 @@ from specwire import grpc_common, round_trace
 from specwire.metrics import VerifierMetrics
 from specwire.shared_features import describe, device_uuid, host_id
 from specwire.step_socket import FrameError, MessageSocket
-from specwire.stream_values import RELEASED, HostSlot, wait_value, write_value
+from specwire.stream_values import RELEASED, HostSlot, SlotWatch, wait_value, write_value
 from specwire.v1 import drafter_pb2 as pb
 from specwire.v1 import drafter_pb2_grpc
 
@@ -268,19 +268,18 @@ class DeviceDrafts:
     slot: HostSlot
     sequence: int
     width: int
+    watch: SlotWatch  # ends the GPU's wait after `timeout` seconds (a drafter that stalled or died)
+    timeout: float
 
     def read(self, n: int, k: int, vocab_size: int) -> torch.Tensor:
         """The first k drafts of each of the n rows, flat, read by work queued on the current stream from
-        now on once the drafter has written them (the host does not wait). Ids past the vocabulary (a
-        faulty drafter's) become the last id: drafts only decide what is accepted, never what is emitted."""
+        now on once the drafter has written them (the host does not wait; past the timeout the buffer is
+        read as it is). Ids past the vocabulary (a faulty drafter's) become the last id: drafts only decide
+        what is accepted, never what is emitted."""
         wait_value(self.slot, self.sequence, torch.cuda.current_stream(self.buffer.device))
+        self.watch.watch(self.slot, self.sequence, self.timeout)
         rows = self.buffer.view(-1)[:n * self.width].view(n, self.width)
         return rows[:, :k].clamp(0, vocab_size - 1).flatten()
-
-    def release(self) -> None:
-        """Ends this GPU's wait from the host (the drafter stalled or died): the buffer is read as it is."""
-        if not self.slot.closed and self.slot.value < self.sequence:
-            self.slot.set(self.sequence)
 
 
 @dataclass
@@ -407,6 +406,7 @@ class DrafterLink(_StepResults):
         # number into _drafted (QueuedDrafts.drafts_buffer / drafts_slot).
         self._drafts: torch.Tensor | None = None
         self._drafted: HostSlot | None = None
+        self._drafted_watch = SlotWatch(lambda: metrics.fallbacks["timeout"].inc())
         self._shape = (0, 0)  # the sampler output's, as announced
         self._announced: tuple[pb.DraftStep, list[str], list[Want]] | None = None  # a CPU's, until settled
         self._queued: tuple[asyncio.Future, list[str], list[Want]] | None = None  # the queued step sent
@@ -495,9 +495,8 @@ class DrafterLink(_StepResults):
             self._drafts = None
             self._settled_offered = False
         if on_device and self._drafts is None:  # as many rows as the sampler output's buffer
-            rows = self._settled.numel() // width
-            self._drafts = torch.zeros(rows * self.info.max_num_drafts, 1, dtype=torch.int64,
-                                       device=features.device)
+            capacity = self._settled.numel() // width * self.info.max_num_drafts
+            self._drafts = torch.zeros(capacity, 1, dtype=torch.int64, device=features.device)
         if not self._settled_offered:
             queued.settled_buffer.CopyFrom(describe(self._settled))
             if on_device:
@@ -579,7 +578,8 @@ class DrafterLink(_StepResults):
             raise ValueError("take_drafts for other requests than announce_drafts queued")
         on_device = None
         if self._drafted is not None and self._drafts is not None:
-            on_device = DeviceDrafts(self._drafts, self._drafted, self._sequence, self.info.max_num_drafts)
+            on_device = DeviceDrafts(self._drafts, self._drafted, self._sequence, self.info.max_num_drafts,
+                                     self._drafted_watch, self.step_timeout)
         return QueuedDrafts(request_ids, asked, None, answer=lambda: self.result(future),
                             vocab_size=self.handshake.vocab_size, on_device=on_device)
 

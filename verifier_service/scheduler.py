@@ -29,7 +29,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import math
 import random
 import secrets
 import time
@@ -54,7 +53,7 @@ from specwire.verifier.alignment import (
     read_result,
     read_tables,
 )
-from specwire.verifier.drafter_link import DeviceDrafts, DrafterLink, HandshakeRefused, QueuedDrafts
+from specwire.verifier.drafter_link import DrafterLink, HandshakeRefused, QueuedDrafts
 from specwire.verifier.drafting_mode import MODES, QUEUED_MODES, DraftingMode
 from specwire.verifier.feature_store import FeatureStore
 from specwire.verifier.request_error import RequestError, in_flight_already
@@ -573,8 +572,7 @@ class Scheduler:
             sent = self._send_step(live, "tables", checking=batch.num_drafts)
             await asyncio.sleep(0)  # the link's writer puts it on the wire before this thread launches
         started = time.perf_counter()
-        step = await self._verify(live, batch, self._queueable(live, batch) if queueing else [],
-                                  arriving.on_device if arriving is not None else None)
+        step = await self._verify(live, batch, self._queueable(live, batch) if queueing else [])
         round_trace.mark("v.verified")
         self._verify_seconds = time.perf_counter() - started
         tables = await self._tables(sent) if caching else None
@@ -599,14 +597,12 @@ class Scheduler:
                 rest = [r for r in live if r.live and r.id not in queued]
                 self._in_flight = self._send_step(rest, "serial")
 
-    async def _verify(self, live: list[Request], batch: BatchDrafts, queue: list[int],
-                      drafter_writes: DeviceDrafts | None = None) -> _Step:
+    async def _verify(self, live: list[Request], batch: BatchDrafts, queue: list[int]) -> _Step:
         """One verification, while the last round's tokens go out; the next drafts of rows `queue` are queued
         behind its sampler. On CUDA this thread launches and collects it itself: the GPU does the work, and a
         hand-off to the worker thread and back cost about 0.1 ms each of a 1.3-2.8 ms batch-1 round
         (bench/round_timeline.py). On a CPU the worker runs the forward, which would hold the loop for all of
-        it. drafter_writes: drafts it reads on the device where a drafter process's GPU writes them; if they
-        are not there within the link's step timeout, the GPU's wait is ended from here."""
+        it."""
         if self._verified is not None:
             launch = self._launch_verification(live, batch, queue)
             if launch.queued:  # the tokens are back before the drafts queued behind them are drafted
@@ -624,15 +620,11 @@ class Scheduler:
             # pile up until the socket is full, the poller blocks and every stream stalls until the loop
             # idles (co-located SmolLM2 at batch 16: after ~20 chunks, the last ~90 tokens came in one;
             # bench/bench_stream_starvation.py --min-turns shows it on a CPU).
-            turns, deadline = 0, time.perf_counter() + self.link.step_timeout if drafter_writes else math.inf
+            turns = 0
             await asyncio.sleep(0)
             while not verified() or turns < streamed:
                 await asyncio.sleep(0)
                 turns += 1
-                if time.perf_counter() > deadline:
-                    drafter_writes.release()
-                    self.metrics.fallbacks["timeout"].inc()
-                    deadline = math.inf
             return self._collect_verification(launch)
         loop = asyncio.get_running_loop()
         launched = loop.create_future()
