@@ -1,24 +1,37 @@
 import time, torch
-from specwire.stream_values import HostSlot, write_value, wait_value
-d = torch.device("cuda", 1)
-torch.cuda.set_device(d)
-for variant in ("plain", "sync_after_wait_launch"):
-    slot = HostSlot()
-    buf = torch.zeros(8, dtype=torch.int64, device=d)
-    src = torch.arange(1, 9, device=d)
-    (src.clamp(0, 99) + 1).sum()
-    s2 = torch.cuda.Stream(d)
-    torch.cuda.synchronize(d)
-    cur = torch.cuda.current_stream(d)
-    print(variant, "current stream handle", cur.cuda_stream, "s2", s2.cuda_stream)
-    wait_value(slot, 1, cur)
-    out = buf.clamp(0, 99) + 0
-    ev = torch.cuda.Event(); ev.record()
+from specwire.stream_values import HostSlot, SlotWatch, write_value
+from specwire.verifier.drafter_link import DeviceDrafts
+K = 4
+slot = HostSlot()
+device = torch.device("cuda", torch.cuda.device_count() - 1)
+buffer = torch.zeros(2 * K, 1, dtype=torch.int64, device=device)
+written = torch.tensor([[5, 10**9, -3, 7], [1, 2, 99, 100]], device=device)
+written.clamp(0, 99).flatten()
+drafter = torch.cuda.Stream(device)
+with torch.cuda.stream(drafter):
+    buffer.view(2, K).copy_(buffer.view(2, K))
+torch.cuda.synchronize(device)
+print("current device", torch.cuda.current_device())
+with torch.cuda.device(device):
+    print("in: current device", torch.cuda.current_device(), torch.cuda.current_stream(device).cuda_stream)
+    ids = DeviceDrafts(buffer, slot, 1, K, SlotWatch(), 30.0).read(2, 3, vocab_size=100)
+    done = torch.cuda.Event(); done.record()
     time.sleep(0.05)
-    print(" blocked:", not ev.query())
-    with torch.cuda.stream(s2):
-        buf.copy_(src)
-        write_value(slot, 1, s2)
-    torch.cuda.synchronize(d)
-    print(" out", out.tolist(), "slot", slot.value)
-    slot.unlink(); slot.close()
+    print("blocked", not done.query())
+    with torch.cuda.stream(drafter):
+        buffer.view(2, K).copy_(written)
+        write_value(slot, 1, drafter)
+    torch.cuda.synchronize(device)
+    print("ids", ids.tolist(), "buffer", buffer.view(-1).tolist(), "slot", slot.value)
+slot2 = HostSlot()
+torch.cuda.set_device(device)
+buffer.zero_(); torch.cuda.synchronize(device)
+ids = DeviceDrafts(buffer, slot2, 1, K, SlotWatch(), 30.0).read(2, 3, vocab_size=100)
+time.sleep(0.05)
+with torch.cuda.stream(drafter):
+    buffer.view(2, K).copy_(written)
+    write_value(slot2, 1, drafter)
+torch.cuda.synchronize(device)
+print("set_device: ids", ids.tolist())
+for s in (slot, slot2):
+    s.unlink(); s.close()
