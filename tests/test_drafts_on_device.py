@@ -64,7 +64,7 @@ def test_the_gpu_reads_the_drafts_once_written_and_a_stalled_wait_is_ended_from_
     # kernel's first launch (its module loaded lazily) or a copy from pageable memory would, hanging the test
     # (a drafter's writes come from another process)
     written = torch.tensor([[5, 10**9, -3, 7], [1, 2, 99, 100]], device=device)
-    written.clamp(0, 99).flatten()
+    DeviceDrafts.pick(buffer, 2, K, 3, 100)
     drafter = torch.cuda.Stream(device)  # as a drafter's GPU: the drafts, then the number behind them
     with torch.cuda.stream(drafter):
         buffer.view(2, K).copy_(buffer.view(2, K))

@@ -504,8 +504,8 @@ def _greedy_outputs(port: int, prompts: list[list[int]], max_tokens: int) -> lis
 @contextlib.contextmanager
 def _queued_processes(tmp_path):
     """Real processes on the GPUs: a drafter on the first, a verifier queuing its drafts on it (over the step
-    socket) and a target-only verifier on the last. Yields (drafter, verifier, target, verifier's metrics
-    port)."""
+    socket) and reading them on its GPU, and a target-only verifier on the last. Yields (drafter, verifier,
+    target, verifier's metrics port)."""
     from specwire.commands.demo import free_port, start, stop, wait_drafter_connected, wait_serving
 
     gpus, model, socket_path = torch.cuda.device_count(), "synthetic:tiny", str(tmp_path / "drafter.sock")
@@ -518,7 +518,8 @@ def _queued_processes(tmp_path):
         verifier = start("verifier", ["verifier", "--model", model, "--device", f"cuda:{gpus - 1}",
                                       "--drafter", f"127.0.0.1:{drafter.port}", "--drafter-socket",
                                       socket_path, "--cache-branches", "0", "--queue-drafts", "on",
-                                      "--metrics-port", str(metrics_port)], tmp_path)
+                                      "--drafts-on-device", "on", "--metrics-port", str(metrics_port)],
+                         tmp_path)
         target = start("target", ["verifier", "--model", model, "--device", f"cuda:{gpus - 1}", "--k", "0",
                                   "--metrics-port", str(free_port())], tmp_path)
         services += [verifier, target]

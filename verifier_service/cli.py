@@ -92,6 +92,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "waiting for a number the verifier's GPU writes into shared memory after the "
                              "sampler (default auto: on for a CUDA drafter co-located or on the step socket "
                              "of --drafter-socket; over gRPC only with on)")
+    parser.add_argument("--drafts-on-device", choices=("on", "off"),
+                        default=env("SPECWIRE_DRAFTS_ON_DEVICE", "off"),
+                        help="with drafts queued in a drafter process on this host's GPUs: the drafter's GPU "
+                             "also writes them into this verifier's GPU memory, and the next verification of "
+                             "a greedy batch of the same requests reads them there instead of waiting for "
+                             "the answer (default off: not measured yet)")
     parser.add_argument("--stream-interval", type=int, default=env("SPECWIRE_STREAM_INTERVAL", 1),
                         metavar="TOKENS",
                         help="tokens a stream's chunk gathers before it is sent; a request's first token and "
@@ -233,6 +239,7 @@ async def serve(args: argparse.Namespace) -> None:
         drafter=args.drafter if args.k > 0 else None,
         drafter_socket=args.drafter_socket,
         shared_features=not args.no_shared_features,
+        drafts_on_device=args.drafts_on_device == "on",
         drafter_channel=drafter_channel(args, options),
         step_timeout=args.draft_timeout,
         scheduler=SchedulerConfig(num_speculative_tokens=args.k, max_waiting=args.max_waiting,

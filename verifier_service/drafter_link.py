@@ -278,7 +278,11 @@ class DeviceDrafts:
         what is accepted, never what is emitted."""
         wait_value(self.slot, self.sequence, torch.cuda.current_stream(self.buffer.device))
         self.watch.watch(self.slot, self.sequence, self.timeout)
-        rows = self.buffer.view(-1)[:n * self.width].view(n, self.width)
+        return self.pick(self.buffer, n, self.width, k, vocab_size)
+
+    @staticmethod
+    def pick(buffer: torch.Tensor, n: int, width: int, k: int, vocab_size: int) -> torch.Tensor:
+        rows = buffer.view(-1)[:n * width].view(n, width)
         return rows[:, :k].clamp(0, vocab_size - 1).flatten()
 
 
@@ -381,18 +385,21 @@ class DrafterLink(_StepResults):
         channel_options: grpc_common.ChannelOptions | None = None,
         step_timeout: float = 0.5, max_in_flight: int = 4, backoff: tuple[float, float] = (0.05, 5.0),
         socket_path: str | None = None, share_from: torch.device | None = None,
+        drafts_on_device: bool = False,
     ):
         """max_in_flight bounds the steps the drafter holds (answered late or not yet), so a slow drafter is
         never flooded. socket_path: the drafter's step socket, for the Draft stream (the handshake stays on
         gRPC). share_from: the verifier's GPU, whose feature table a drafter on this host may map instead of
-        taking bytes. The owner sets `handshake`, `check_info` (raises HandshakeRefused for a drafter it
-        cannot feed) and `on_connect` before `start`."""
+        taking bytes. drafts_on_device: such a drafter's queued drafts are also read where its GPU writes
+        them into this GPU's memory (QueuedDrafts.on_device), where it can. The owner sets `handshake`,
+        `check_info` (raises HandshakeRefused for a drafter it cannot feed) and `on_connect` before
+        `start`."""
         self.target, self.metrics, self.socket_path = target, metrics, socket_path
         # None: features travel in the steps, as bytes; else the stream shares the owner's feature table on
         # this device and the steps name its rows (decided at each handshake, before check_info, which
         # hands the table to `share`).
         self.feature_device: torch.device | None = None
-        self.share_from = share_from
+        self.share_from, self.drafts_on_device = share_from, drafts_on_device
         self.share_refused = ""  # why a drafter could not map the table: bytes from then on
         self._table: torch.Tensor | None = None  # the owner's feature table [rows, width]
         self._offered = False  # whether this stream's first step offered it
@@ -475,6 +482,10 @@ class DrafterLink(_StepResults):
     def can_queue(self) -> bool:
         return self.queues_drafts and self._queued is None and self.can_send()
 
+    @property
+    def _returns_drafts(self) -> bool:
+        return self.drafts_on_device and self.info.returns_drafts_on_device
+
     def announce_drafts(self, request_ids: list[str], wants: list[Want], rows: list[int],
                         features: torch.Tensor, feature_cells: list[int], settled_shape: tuple[int, int]
                         ) -> bool:
@@ -487,7 +498,7 @@ class DrafterLink(_StepResults):
         n, width = self._shape = settled_shape
         step = pb.DraftStep()
         queued = step.queued
-        on_device = features.is_cuda and self.info.returns_drafts_on_device
+        on_device = self._returns_drafts and features.is_cuda
         if self._settled is None or self._settled.numel() < n * width:
             grown = max(n * width, 2 * (self._settled.numel() if self._settled is not None else 0))
             # zeros: a drafter released without a settle (drop_drafts) reads only tokens a sampler wrote, or 0
@@ -497,6 +508,10 @@ class DrafterLink(_StepResults):
         if on_device and self._drafts is None:  # as many rows as the sampler output's buffer
             capacity = self._settled.numel() // width * self.info.max_num_drafts
             self._drafts = torch.zeros(capacity, 1, dtype=torch.int64, device=features.device)
+            # DeviceDrafts.read's kernels launched once before any stream waits for the drafter (in a GPU
+            # test, the first launch behind a wait read the buffer before the write it waited for)
+            for k in {1, self.info.max_num_drafts}:
+                DeviceDrafts.pick(self._drafts, 1, self.info.max_num_drafts, k, self.handshake.vocab_size)
         if not self._settled_offered:
             queued.settled_buffer.CopyFrom(describe(self._settled))
             if on_device:
@@ -552,7 +567,7 @@ class DrafterLink(_StepResults):
         """Fresh slots (for a stream that has not been offered them), numbered from 1."""
         self._close_slot()
         self._slot, self._sequence = HostSlot(), 0
-        if self.info.returns_drafts_on_device:
+        if self._returns_drafts:
             self._drafted = HostSlot()
 
     def _close_slot(self) -> None:

@@ -183,6 +183,7 @@ class VerifierSettings:
     drafter: str | None = None  # HOST:PORT; None = target-only
     drafter_socket: str | None = None  # the drafter's step socket (same host): the Draft stream goes over it
     shared_features: bool = True  # a drafter on this host maps the feature table (specwire.shared_features)
+    drafts_on_device: bool = False  # its queued drafts read on this GPU where it writes them (DrafterLink)
     drafter_channel: grpc_common.ChannelOptions = grpc_common.ChannelOptions()
     step_timeout: float = 1.0  # seconds a step waits for its drafts before verifying without them
     scheduler: SchedulerConfig = SchedulerConfig()
@@ -233,7 +234,8 @@ def start_scheduler(settings: VerifierSettings, metrics: VerifierMetrics, engine
     if link is None and s.drafter:
         share = s.shared_features and engine.device.type == "cuda"
         link = DrafterLink(s.drafter, metrics, s.drafter_channel, step_timeout=s.step_timeout,
-                           socket_path=s.drafter_socket, share_from=engine.device if share else None)
+                           socket_path=s.drafter_socket, share_from=engine.device if share else None,
+                           drafts_on_device=s.drafts_on_device)
     scheduler = Scheduler(engine, tokenizer, metrics, s.scheduler, link)
     metrics.max_requests_waiting.set(s.scheduler.max_waiting)
     metrics.kv_slots.labels(state="total").set(engine.max_slots)
