@@ -41,33 +41,7 @@ def _driver() -> ctypes.CDLL:
     lib.cuMemHostGetDevicePointer_v2.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_void_p,
                                                  ctypes.c_uint]
     lib.cuGetErrorString.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
-    lib.cuDeviceGet.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_int]
-    lib.cuDevicePrimaryCtxRetain.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_int]
-    lib.cuCtxPushCurrent_v2.argtypes = [ctypes.c_void_p]
-    lib.cuCtxPopCurrent_v2.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
     return lib
-
-
-@functools.cache
-def _primary_context(index: int) -> ctypes.c_void_p:
-    driver, device, context = _driver(), ctypes.c_int(), ctypes.c_void_p()
-    _check(driver.cuDeviceGet(ctypes.byref(device), index), "cuDeviceGet")
-    _check(driver.cuDevicePrimaryCtxRetain(ctypes.byref(context), device), "cuDevicePrimaryCtxRetain")
-    return context
-
-
-@contextlib.contextmanager
-def _device_context(stream: torch.cuda.Stream):
-    """The driver API's current context made the stream's device's for the calls within: torch's device
-    scope need not make it so (a single-process GPU test found its default stream's handle, 0, resolved
-    against another GPU's context), and a stream's handle means that device's stream only there."""
-    torch.cuda.init()
-    driver = _driver()
-    _check(driver.cuCtxPushCurrent_v2(_primary_context(stream.device.index)), "cuCtxPushCurrent")
-    try:
-        yield
-    finally:
-        driver.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
 
 
 def _check(result: int, what: str) -> None:
@@ -146,14 +120,14 @@ class HostSlot:
 
 def write_value(slot: HostSlot, value: int, stream: torch.cuda.Stream) -> None:
     """Queues on `stream` a write of `value` into `slot` behind the work queued on it so far."""
-    with _device_context(stream):
+    with torch.cuda.device(stream.device):
         _check(_driver().cuStreamWriteValue64_v2(stream.cuda_stream, slot.address, value, _WRITE_DEFAULT),
                "cuStreamWriteValue64")
 
 
 def wait_value(slot: HostSlot, value: int, stream: torch.cuda.Stream) -> None:
     """Makes the work queued on `stream` from now on wait until `slot` holds at least `value`."""
-    with _device_context(stream):
+    with torch.cuda.device(stream.device):
         _check(_driver().cuStreamWaitValue64_v2(stream.cuda_stream, slot.address, value, _WAIT_GEQ),
                "cuStreamWaitValue64")
 

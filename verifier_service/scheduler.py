@@ -866,6 +866,8 @@ class Scheduler:
         """The drafts queued behind the last sampler, read where a drafter process's GPU writes them, before
         its answer comes (QueuedDrafts.device_width says when); None: they are read from the answer."""
         queued = self._queued_drafts
+        if queued.on_device is None:  # (the usual case: no list built a round for it)
+            return None
         k = queued.device_width([r.id for r in live], [self._num_drafts(r) for r in live])
         if not k:
             return None
