@@ -164,7 +164,8 @@ class _SharedOutput:
     def _close_drafted(self, device: torch.device) -> None:
         if self.drafted is not None:
             self.drafted.set(RELEASED)
-            torch.cuda.synchronize(device)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
             self.drafted.close()
             self.drafted = None
 

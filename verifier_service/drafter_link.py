@@ -412,6 +412,7 @@ class DrafterLink(_StepResults):
         # copies each queued step's draft ids into _drafts [n * max_num_drafts] here, then writes the step's
         # number into _drafted (QueuedDrafts.drafts_buffer / drafts_slot).
         self._drafts: torch.Tensor | None = None
+        self._retired_drafts: list[torch.Tensor] = []  # outgrown (doubling, so a few), never freed
         self._drafted: HostSlot | None = None
         self._drafted_watch = SlotWatch(lambda: metrics.fallbacks["timeout"].inc())
         self._shape = (0, 0)  # the sampler output's, as announced
@@ -503,7 +504,9 @@ class DrafterLink(_StepResults):
             grown = max(n * width, 2 * (self._settled.numel() if self._settled is not None else 0))
             # zeros: a drafter released without a settle (drop_drafts) reads only tokens a sampler wrote, or 0
             self._settled = torch.zeros(grown, 1, dtype=torch.int64, device=features.device)
-            self._drafts = None
+            if self._drafts is not None:  # kept: the drafter's GPU may still write into it
+                self._retired_drafts.append(self._drafts)
+                self._drafts = None
             self._settled_offered = False
         if on_device and self._drafts is None:  # as many rows as the sampler output's buffer
             capacity = self._settled.numel() // width * self.info.max_num_drafts
