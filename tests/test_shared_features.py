@@ -481,6 +481,65 @@ def test_requests_begun_before_the_drafter_stay_undrafted_across_a_refusal(refus
                                       max_tokens=LONG)
 
 
+class _DraftsOnTheHost(drafter_link.DeviceDrafts):
+    """DeviceDrafts with the GPU's wait swapped out (a CPU has no stream to wait on): the ids are read from
+    the buffer as it is, here garbage, as a drafter that refused its step would leave it."""
+
+    def read(self, n: int, k: int, vocab_size: int) -> torch.Tensor:
+        return self.pick(self.buffer, n, self.width, k, vocab_size)
+
+
+def test_greedy_output_is_the_targets_whatever_the_drafts_read_on_the_device(in_process_mapping, monkeypatch):
+    """The scheduler's path for drafts read on the device (Scheduler._drafts_on_device, the answer awaited
+    after the round), through a real gRPC drafter that queues behind the sampler, with the GPU's wait
+    swapped out and garbage in the buffer (ids out of the vocabulary too, which must be clamped): greedy
+    output must be target-only's, the device reads must have happened, and every request must end."""
+    config, sd, head, engine, proposer, _ = recording_drafter("cpu", "cpu", 0, 0)
+    service = drafter_service(proposer, config)
+    says_it_maps(service)
+    service.info.queues_drafts = True
+    garbage = torch.randint(0, config.vocab_size, (SLOTS * K, 1), generator=torch.Generator().manual_seed(3))
+    garbage[::3], garbage[1::3] = config.vocab_size + 3, -5
+    take = DrafterLink.take_drafts
+
+    def take_with_device_drafts(self, *args):
+        queued = take(self, *args)
+        queued.on_device = _DraftsOnTheHost(garbage, None, 0, K, None, 0.0)
+        return queued
+
+    monkeypatch.setattr(DrafterLink, "take_drafts", take_with_device_drafts)
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(3, 30_000, (int(n),), generator=g).tolist() for n in (6, 19, 11)]
+    params = SamplingParams(temperature=0.0, max_tokens=LONG, ignore_eos=True)
+
+    async def run(link: DrafterLink | None, metrics: VerifierMetrics) -> list[list[int]]:
+        scheduler = Scheduler(engine, synthetic_tokenizer(config), metrics,
+                              SchedulerConfig(num_speculative_tokens=K if link else 0, cache_branches=0,
+                                              queue_drafts=True), link)
+        scheduler.start()
+        try:
+            while link is not None and not link.connected:
+                await asyncio.sleep(0.01)
+            requests = [scheduler.submit(p, params, request_id=str(i)) for i, p in enumerate(prompts)]
+            for r in requests:
+                while (await r.outputs.get()).finish_reason is None:
+                    pass
+            return [r.tokens for r in requests]
+        finally:
+            await scheduler.close()
+
+    async def speculative(metrics: VerifierMetrics) -> list[list[int]]:
+        async with serving(service) as target:
+            return await run(DrafterLink(target, metrics, step_timeout=5.0, share_from=engine.device,
+                                         drafts_on_device=True), metrics)
+
+    metrics = VerifierMetrics()
+    outputs = asyncio.run(speculative(metrics))
+    assert metrics.registry.get_sample_value("specwire_queued_drafts_read_on_device_total") > 10
+    assert outputs == asyncio.run(run(None, VerifierMetrics()))
+    assert all(len(t) - len(p) == LONG for t, p in zip(outputs, prompts, strict=True))
+
+
 def _greedy_outputs(port: int, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
     """Each prompt's greedy tokens from a verifier process, one request at a time."""
     from specwire.v1 import generation_pb2 as gpb
