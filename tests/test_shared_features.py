@@ -38,6 +38,7 @@ from test_colocated_features import (
     recording_drafter,
     recording_queued,
 )
+from test_metrics import _scrape
 
 from specwire import grpc_common
 from specwire.metrics import DRAFTING_MODES, DrafterMetrics, VerifierMetrics
@@ -590,12 +591,7 @@ def _queued_processes(tmp_path):
 
 
 def _counter(port: int, name: str) -> float:
-    from urllib.request import urlopen
-
-    from prometheus_client.parser import text_string_to_metric_families
-
-    text = urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name)
+    return sum(value for (sample, _), value in _scrape(port).items() if sample == name)
 
 
 def _prompts(lengths: tuple[int, ...]) -> list[list[int]]:
