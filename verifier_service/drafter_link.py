@@ -303,8 +303,9 @@ class QueuedDrafts:
     on_device: DeviceDrafts | None = None
     _drafts: dict[str, Drafts] = field(default_factory=dict, repr=False)  # the answer's, by request id
 
-    async def arrive(self) -> None:
-        """Waits for a remote drafter's answer (nothing to wait for in-process)."""
+    async def arrive(self, drafts: bool = True) -> None:
+        """Waits for a remote drafter's answer (nothing to wait for in-process). drafts=False: only what
+        became of the requests is read (lost, dropped), not the drafts, which were read on the device."""
         if self.answer is None:
             return
         result = await self.answer()
@@ -313,6 +314,8 @@ class QueuedDrafts:
             self.lost = True
             return
         self.dropped.update(result.dropped_request_ids)
+        if not drafts:
+            return
         aligned = read_result(result, dict(zip(self.request_ids, self.wants, strict=True)), self.vocab_size)
         self._drafts = aligned.drafts
 

@@ -552,11 +552,10 @@ class Scheduler:
                 return
             batch, sent = self._cached_drafts(live), None
         else:
-            sent, self._in_flight = self._in_flight, None
-            arriving = self._queued_drafts if sent is None else None
-            batch = self._drafts_on_device(live) if arriving is not None else None
+            sent, self._in_flight, pending = self._in_flight, None, self._queued_drafts
+            batch = self._drafts_on_device(live) if sent is None else None
+            arriving = pending if batch is not None else None
             if batch is None:
-                arriving = None
                 result = await self.link.result(sent[0]) if sent else None
                 await self._queued_arrived()
                 batch = self._drafts_for(live, result, sent[1] if sent else {})
@@ -583,7 +582,7 @@ class Scheduler:
             queued = self._take_queued_drafts(live, step)
         round_trace.mark("v.settled")
         if arriving is not None:  # the answer that came with the drafts read on the device
-            await self._queued_arrived(arriving)
+            await self._queued_arrived(arriving, drafts=False)
         if self.speculating and not caching:  # carried prompts go to the drafter with the others
             rest = [r for r in [*live, *step.carried] if r.live and r.id not in queued]
             if rest or self._frees:
@@ -866,7 +865,7 @@ class Scheduler:
         """The drafts queued behind the last sampler, read where a drafter process's GPU writes them, before
         its answer comes (QueuedDrafts.device_width says when); None: they are read from the answer."""
         queued = self._queued_drafts
-        if queued.on_device is None:  # (the usual case: no list built a round for it)
+        if queued is None or queued.on_device is None:  # (the usual case: no list built a round for it)
             return None
         k = queued.device_width([r.id for r in live], [self._num_drafts(r) for r in live])
         if not k:
@@ -891,14 +890,14 @@ class Scheduler:
         self._queued_drafts = queued
         return set(ids)
 
-    async def _queued_arrived(self, queued: QueuedDrafts | None = None) -> None:
+    async def _queued_arrived(self, queued: QueuedDrafts | None = None, drafts: bool = True) -> None:
         """Waits for the drafts queued behind the last sampler (or `queued`) where they come as an answer (a
         drafter in another process); if it never comes, their requests are sent whole next step, as are
-        those the drafter dropped."""
+        those the drafter dropped. drafts=False: the answer's drafts are not read (QueuedDrafts.arrive)."""
         queued = queued or self._queued_drafts
         if queued is None:
             return
-        await queued.arrive()
+        await queued.arrive(drafts)
         for rid in queued.request_ids if queued.lost else queued.dropped:
             if (r := self.requests.get(rid)) is not None:  # (a request it dropped is sent whole next step)
                 self._resend_whole(r)
