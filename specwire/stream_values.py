@@ -36,6 +36,10 @@ def _driver() -> ctypes.CDLL:
         fn = getattr(lib, name)
         fn.restype = ctypes.c_int
         fn.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint]
+    lib.cuDeviceGet.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_int]
+    lib.cuDevicePrimaryCtxRetain.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_int]
+    lib.cuCtxPushCurrent_v2.argtypes = [ctypes.c_void_p]
+    lib.cuCtxPopCurrent_v2.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
     lib.cuMemHostRegister_v2.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
     lib.cuMemHostUnregister.argtypes = [ctypes.c_void_p]
     lib.cuMemHostGetDevicePointer_v2.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_void_p,
@@ -118,17 +122,41 @@ class HostSlot:
         self._map.close()
 
 
+@functools.cache
+def _primary_context(index: int) -> int:
+    driver, device, context = _driver(), ctypes.c_int(), ctypes.c_void_p()
+    _check(driver.cuDeviceGet(ctypes.byref(device), index), "cuDeviceGet")
+    _check(driver.cuDevicePrimaryCtxRetain(ctypes.byref(context), device), "cuDevicePrimaryCtxRetain")
+    return context.value
+
+
+@contextlib.contextmanager
+def _context_of(stream: torch.cuda.Stream):
+    """Makes the driver's current context the one of `stream`'s device. A device's default stream is handle
+    0, which the driver resolves against the thread's current context; `torch.cuda.device` does not always
+    make that context current (session 37: inside `torch.cuda.device(cuda:1)` the context stayed device 0's,
+    so a wait on cuda:1's default stream went to cuda:0's and the work behind it read stale drafts)."""
+    driver = _driver()
+    _check(driver.cuCtxPushCurrent_v2(_primary_context(stream.device.index)), "cuCtxPushCurrent")
+    try:
+        yield
+    finally:
+        driver.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
+
+
 def write_value(slot: HostSlot, value: int, stream: torch.cuda.Stream) -> None:
     """Queues on `stream` a write of `value` into `slot` behind the work queued on it so far."""
-    with torch.cuda.device(stream.device):
-        _check(_driver().cuStreamWriteValue64_v2(stream.cuda_stream, slot.address, value, _WRITE_DEFAULT),
+    address = slot.address
+    with _context_of(stream):
+        _check(_driver().cuStreamWriteValue64_v2(stream.cuda_stream, address, value, _WRITE_DEFAULT),
                "cuStreamWriteValue64")
 
 
 def wait_value(slot: HostSlot, value: int, stream: torch.cuda.Stream) -> None:
     """Makes the work queued on `stream` from now on wait until `slot` holds at least `value`."""
-    with torch.cuda.device(stream.device):
-        _check(_driver().cuStreamWaitValue64_v2(stream.cuda_stream, slot.address, value, _WAIT_GEQ),
+    address = slot.address
+    with _context_of(stream):
+        _check(_driver().cuStreamWaitValue64_v2(stream.cuda_stream, address, value, _WAIT_GEQ),
                "cuStreamWaitValue64")
 
 
