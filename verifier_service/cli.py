@@ -93,11 +93,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "sampler (default auto: on for a CUDA drafter co-located or on the step socket "
                              "of --drafter-socket; over gRPC only with on)")
     parser.add_argument("--drafts-on-device", choices=("on", "off"),
-                        default=env("SPECWIRE_DRAFTS_ON_DEVICE", "off"),
+                        default=env("SPECWIRE_DRAFTS_ON_DEVICE", "on"),
                         help="with drafts queued in a drafter process on this host's GPUs: the drafter's GPU "
                              "also writes them into this verifier's GPU memory, and the next verification of "
                              "a greedy batch of the same requests reads them there instead of waiting for "
-                             "the answer (default off: not measured yet)")
+                             "the answer (default on; off: always wait for the answer)")
     parser.add_argument("--stream-interval", type=int, default=env("SPECWIRE_STREAM_INTERVAL", 1),
                         metavar="TOKENS",
                         help="tokens a stream's chunk gathers before it is sent; a request's first token and "
