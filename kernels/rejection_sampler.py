@@ -28,6 +28,8 @@ from specwire.kernels.rejection_sampler_ref import (
     sample_ref,
 )
 
+from specwire import round_trace
+
 try:  # CPU-only installs may lack Triton; they run the reference.
     from specwire.kernels.rejection_sampler_triton import launch
 except ImportError:
@@ -116,6 +118,7 @@ def rejection_sample(
     """
     batch = prepare_batch(target_logits, draft_token_ids, num_drafts, draft_probs, temperature, top_k, top_p,
                           seed, positions, synthetic_acceptance)
+    round_trace.mark("s.prepared")
     if not _pick_backend(backend, target_logits):
         return sample_ref(batch)
     with torch.cuda.device(target_logits.device) if target_logits.is_cuda else contextlib.nullcontext():

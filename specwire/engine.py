@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from specwire import round_trace
 from specwire.config import ModelConfig
 from specwire.kernels.rejection_sampler import rejection_sample
 from specwire.model import KVCache, LlamaModel, ModelOutput
@@ -574,9 +575,13 @@ class TargetEngine:
         self.step_replayed_graph = graphs is not None
         if graphs is not None:
             size = graphs.prepare(slots, tokens, num_tokens, positions)
+            round_trace.mark("e.prepared")
             if on_device is not None:  # queued behind prepare's copy of the host's ids
                 write_cells(graphs.input_ids, *on_device)
-            return graphs.replay(size)
+                round_trace.mark("e.cells_written")
+            replayed = graphs.replay(size)
+            round_trace.mark("e.replayed")
+            return replayed
         device = self.device
         tokens = tokens.to(device)
         if on_device is not None:

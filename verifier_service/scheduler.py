@@ -554,6 +554,7 @@ class Scheduler:
         else:
             sent, self._in_flight, pending = self._in_flight, None, self._queued_drafts
             batch = self._drafts_on_device(live) if sent is None else None
+            round_trace.mark("v.device_drafts")
             arriving = pending if batch is not None else None
             if batch is None:
                 result = await self.link.result(sent[0]) if sent else None
@@ -583,6 +584,7 @@ class Scheduler:
         round_trace.mark("v.settled")
         if arriving is not None:  # the answer that came with the drafts read on the device
             await self._queued_arrived(arriving, drafts=False)
+            round_trace.mark("v.arrived")
         if self.speculating and not caching:  # carried prompts go to the drafter with the others
             rest = [r for r in [*live, *step.carried] if r.live and r.id not in queued]
             if rest or self._frees:
@@ -1090,6 +1092,7 @@ class Scheduler:
         sampling = batch if not carry else BatchDrafts(  # a carried prompt's last token: a row without drafts
             [*batch.token_ids, *([] for _ in carry)], batch.probs, batch.on_device)
         queue, wants = list(queue), [self._want_for(live[i], self._num_drafts(live[i])) for i in queue]
+        round_trace.mark("v.wants")
         announced = settled = False
         if queue:  # told while the forward runs: a drafter's GPU then waits for the sampler's output
             T = self.link.info.max_num_drafts + 1
