@@ -93,16 +93,17 @@ def test_read_back_copies_through_pinned_memory():
 def test_drafts_already_on_the_device_feed_as_the_host_rows_do(cuda_graphs):
     """verify(device_drafts=...): rows give their first token and length, the drafts come as one device
     tensor (a co-located drafter's, never read back); the step equals the one fed the same rows from the
-    host, also where rows are shorter than the widest."""
+    host, where rows are shorter than the widest (written by an index) and where all are as wide (a strided
+    copy)."""
     device = "cuda" if cuda_graphs else "cpu"
     engine, _, _ = full_row_verify(device, cuda_graphs=cuda_graphs)
     slots, starts = [0, 1, 3], [14, 19, 0]
-    rows = [[5, 6, 7], [8, 9, 10, 11, 12], [13]]
-    host = engine.verify(slots, rows, starts)
-    drafts = torch.tensor([t for row in rows for t in row[1:]], device=device)
-    placeholders = [[row[0], *[0] * (len(row) - 1)] for row in rows]
-    fed = engine.verify(slots, placeholders, starts, device_drafts=drafts)
-    assert torch.equal(fed.logits, host.logits) and torch.equal(fed.hidden, host.hidden)
-    assert not torch.equal(engine.verify(slots, placeholders, starts).logits, host.logits)  # they were fed
+    for rows in ([[5, 6, 7], [8, 9, 10, 11, 12], [13]], [[5, 6, 7], [8, 9, 10], [13, 14, 15]]):
+        host = engine.verify(slots, rows, starts)
+        drafts = torch.tensor([t for row in rows for t in row[1:]], device=device)
+        placeholders = [[row[0], *[0] * (len(row) - 1)] for row in rows]
+        fed = engine.verify(slots, placeholders, starts, device_drafts=drafts)
+        assert torch.equal(fed.logits, host.logits) and torch.equal(fed.hidden, host.hidden)
+        assert not torch.equal(engine.verify(slots, placeholders, starts).logits, host.logits)  # fed them
     with pytest.raises(ValueError, match="device_drafts must be"):
         engine.verify(slots, placeholders, starts, device_drafts=drafts[:-1])
