@@ -205,7 +205,7 @@ def prefill_rows(requests: Sequence[tuple[int, Sequence[int]]], width: int,
 
 
 def write_drafts(ids: torch.Tensor, counts: Sequence[int], drafts: torch.Tensor) -> None:
-    """ids[b, 1:counts[b]] = row b's drafts, the rows' concatenated in `drafts` (already on ids' device),
+    """ids[b, 1:counts[b]] = row b's drafts, the rows concatenated in `drafts` (already on ids' device),
     written there without a wait for the host: where every row has as many (drafts read on the device), one
     strided copy; else one index copy (a batch-16 round spent 0.17 ms building and uploading that index,
     bench/results/session38/)."""
