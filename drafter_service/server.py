@@ -155,19 +155,20 @@ class _SharedOutput:
         them, and no write of this one is left queued into them."""
         self._close_drafted(device)
         if self.slot is not None:
-            self.slot.set(RELEASED)
-            if device.type == "cuda":  # (a CPU drafter may hold a slot it refused: nothing waits on it)
-                torch.cuda.synchronize(device)
-            self.slot.close()
+            self._let_go(self.slot, device)
             self.slot = None
 
     def _close_drafted(self, device: torch.device) -> None:
         if self.drafted is not None:
-            self.drafted.set(RELEASED)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            self.drafted.close()
+            self._let_go(self.drafted, device)
             self.drafted = None
+
+    @staticmethod
+    def _let_go(slot: HostSlot, device: torch.device) -> None:
+        slot.set(RELEASED)
+        if device.type == "cuda":  # (a CPU drafter may hold a slot it refused: nothing waits on it)
+            torch.cuda.synchronize(device)
+        slot.close()
 
 
 class DrafterService(drafter_pb2_grpc.DrafterServicer):
