@@ -37,7 +37,6 @@ from specwire.engine import (
     prefill_rows,
 )
 from specwire.model import KVCache
-from specwire.shared_features import copy_rows
 from specwire.staging import StagedInputs, read_back, upload
 from specwire.wire import as_numpy
 
@@ -391,11 +390,7 @@ class EagleProposer:
         host["feature_cells"][:B * T] = feature_cells
         host["settled_rows"][:B] = rows
         self._inputs.send("features", 0)
-        if settled.device == self.device:
-            mine = settled.index_select(0, self._settled_rows[:B])
-        else:  # a same-host verifier's sampler output on its GPU: copied by this GPU (copy_rows)
-            mine = torch.empty(B, settled.shape[1], dtype=settled.dtype, device=self.device)
-            copy_rows(mine, settled, [(row, b, 1) for b, row in enumerate(rows)], self.device)
+        mine = settled.to(self.device, non_blocking=True).index_select(0, self._settled_rows[:B])
         width = min(T, mine.shape[1] - 1)
         self._meta[self._PENDING, :B] = mine[:, 0].clamp(0, T)
         self._input_ids[:B, :width] = mine[:, 1:1 + width].clamp_min(0)  # -1 pads past the settled ones
@@ -404,12 +399,13 @@ class EagleProposer:
         if features.device == self.device:
             torch.index_select(features, 0, self._feature_cells[:B * T],
                                out=self._features[:B].view(B * T, F))
-        else:  # a same-host verifier's table on its GPU: a request's cells are consecutive rows (repeats
-            # past its context end are never settled), so one copy each, queued on this GPU (copy_rows)
-            firsts = feature_cells[::T]
-            copy_rows(self._features.view(-1, F), features,
-                      [(first, b * T, min(T, features.shape[0] - first)) for b, first in enumerate(firsts)],
-                      self.device)
+        else:  # a same-host verifier's table on its GPU: copies only, which wait for this device's stream
+            # (a gather there would not); a request's cells are consecutive rows (repeats past its context
+            # end are never settled), so one copy each
+            for b in range(B):
+                first = feature_cells[b * T]
+                rows = min(T, features.shape[0] - first)
+                self._features[b, :rows].copy_(features[first:first + rows], non_blocking=True)
         sampled = [tk for t, tk, k in zip(temperature, top_k, ks, strict=True) if t > 0 and k > 0]
         mode = "greedy" if not sampled else "top_k" if all(sampled) else "full"
         graph = self.graphs.get((size, mode))

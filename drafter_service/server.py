@@ -33,14 +33,7 @@ from specwire import round_trace
 from specwire.config import ModelConfig
 from specwire.grpc_common import DEFAULT_MAX_MESSAGE_BYTES
 from specwire.metrics import DrafterMetrics
-from specwire.shared_features import (
-    copy_rows,
-    host_id,
-    open_table,
-    shared_rows,
-    unreadable_rows,
-    visible_gpus,
-)
+from specwire.shared_features import host_id, open_table, shared_rows, unreadable_rows, visible_gpus
 from specwire.step_profiler import StepProfiler
 from specwire.step_socket import FrameError, MessageSocket
 from specwire.stream_values import RELEASED, HostSlot, wait_value, write_value
@@ -138,7 +131,7 @@ class _SharedOutput:
         if n * width > self.drafts.numel():
             raise WireError(f"queued drafts: {n} x {width} drafts do not fit the verifier's buffer of "
                             f"{self.drafts.numel()}")
-        copy_rows(self.drafts.view(-1)[:n * width].view(n, width), drafts, [(0, 0, n)], drafts.device)
+        self.drafts.view(-1)[:n * width].view(n, width).copy_(drafts, non_blocking=True)
         write_value(self.drafted, sequence, torch.cuda.current_stream(drafts.device))
 
     def release_drafted(self, sequence: int) -> None:
@@ -341,29 +334,26 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
         return ""
 
     def _gather(self, step: pb.DraftStep, table: torch.Tensor | None) -> dict[str, torch.Tensor]:
-        """The shared rows `step`'s updates name, by request id, copied to this drafter's GPU. A request's
-        rows are contiguous in the table, so each request is one copy (adjacent ones joined), queued on this
-        GPU (copy_rows): no row index to upload and no gather (a batch-1 round spent 0.24 ms on those,
-        round_trace). A reference out of the table's bounds is left out: applying it raises."""
+        """The shared rows `step`'s updates name, by request id, copied to this drafter's GPU in one copy.
+        A request's rows are contiguous in the table, so they are slices of it, joined on the verifier's GPU
+        when there are several: no row index to upload and no gather there (a batch-1 round spent 0.24 ms
+        on those, round_trace). A reference out of the table's bounds is left out: applying it raises."""
         if table is None:
             return {}
-        refs = []  # (request id, first row, rows)
+        refs = []  # (request id, rows)
         for update in step.updates:
             kind = update.WhichOneof("kind")
             holder = getattr(update, kind) if kind in ("new_request", "accepted") else None
             if holder is not None and holder.HasField("shared_row"):
                 count = len(holder.token_ids) - (kind == "new_request")
                 if count >= 0 and not unreadable_rows(table, holder.shared_row, count):
-                    refs.append((update.request_id, holder.shared_row, count))
+                    refs.append((update.request_id, table[holder.shared_row:holder.shared_row + count]))
         if not refs:
             return {}
-        counts = [count for _, _, count in refs]
-        packed = torch.empty(sum(counts), table.shape[1], dtype=table.dtype, device=self.proposer.device)
-        starts = itertools.accumulate(counts[:-1], initial=0)
-        runs = [(first, at, count) for (_, first, count), at in zip(refs, starts, strict=True)]
-        copy_rows(packed, table, runs, self.proposer.device)
+        slices = [rows for _, rows in refs]
+        packed = (slices[0] if len(slices) == 1 else torch.cat(slices)).to(self.proposer.device)
         round_trace.mark("d.rows_picked")
-        return dict(zip((rid for rid, _, _ in refs), packed.split(counts), strict=True))
+        return dict(zip((rid for rid, _ in refs), packed.split([len(rows) for rows in slices]), strict=True))
 
     @torch.inference_mode()
     def run_step(self, stream: int, owned: set[str], step: pb.DraftStep,

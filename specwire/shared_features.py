@@ -15,11 +15,9 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Iterable
 
 import torch
 
-from specwire.cuda_driver import copy_async, enable_peer_access
 from specwire.v1 import drafter_pb2 as pb
 from specwire.wire import FEATURE_DTYPES, TORCH_DTYPE, WIRE_DTYPE, WireError
 
@@ -104,40 +102,3 @@ def shared_rows(table: torch.Tensor | None, first: int, count: int) -> torch.Ten
     if problem := unreadable_rows(table, first, count):
         raise WireError(problem)
     return table[first:first + count]
-
-
-def copy_rows(destination: torch.Tensor, source: torch.Tensor, runs: Iterable[tuple[int, int, int]],
-              device: torch.device) -> None:
-    """destination[d:d + n] = source[s:s + n] for each run (s, d, n), queued on the current stream of
-    `device`, the GPU of this process that holds one of the two (both contiguous [rows, width]). Between two
-    GPUs each run (adjacent runs joined) is one driver copy on that stream, so the other GPU runs no work of
-    this process: PyTorch's own copy runs on the source GPU's stream, and work of two processes on one GPU
-    takes turns in time slices (without MPS), which the verifier's rounds would wait through."""
-    joined: list[list[int]] = []
-    for s, d, n in runs:
-        if min(s, d, n) < 0 or s + n > source.shape[0] or d + n > destination.shape[0]:
-            raise ValueError(f"rows [{s}, {s + n}) to [{d}, {d + n}) do not fit {source.shape[0]} and "
-                             f"{destination.shape[0]} rows")
-        if joined and joined[-1][0] + joined[-1][2] == s and joined[-1][1] + joined[-1][2] == d:
-            joined[-1][2] += n
-        elif n > 0:
-            joined.append([s, d, n])
-    if destination.device == source.device:
-        for s, d, n in joined:
-            destination[d:d + n].copy_(source[s:s + n], non_blocking=True)
-        return
-    if not (destination.is_contiguous() and source.is_contiguous() and destination.dim() == source.dim() == 2
-            and destination.shape[1] == source.shape[1]):
-        raise ValueError(f"rows are copied between contiguous [rows, width] tensors of one width, got "
-                         f"{list(source.shape)} to {list(destination.shape)}")
-    if destination.dtype != source.dtype:  # copied as they are, converted where they land
-        staged = torch.empty(destination.shape, dtype=source.dtype, device=destination.device)
-        copy_rows(staged, source, [(s, d, n) for s, d, n in joined], device)
-        for _, d, n in joined:
-            destination[d:d + n].copy_(staged[d:d + n])
-        return
-    other = source.device if device == destination.device else destination.device
-    enable_peer_access(device, other)
-    row, stream = source.shape[1] * source.element_size(), torch.cuda.current_stream(device)
-    for s, d, n in joined:
-        copy_async(destination.data_ptr() + d * row, source.data_ptr() + s * row, n * row, stream)

@@ -7,13 +7,14 @@ watches a 64-bit slot until it holds at least a sequence number, and the writing
 behind its work (the driver fences the writes before it, so whatever the work wrote is visible once the
 number is). The slot is host memory both processes map (a file under /dev/shm, registered for every GPU):
 a slot in one GPU's memory mapped by CUDA IPC is refused by the other GPU's stream operations
-(bench/probe_stream_values.py). Through the driver API (cuda_driver): torch does not expose these calls.
+(bench/probe_stream_values.py). Through the driver API with ctypes: torch does not expose these calls.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import mmap
 import os
 import secrets
@@ -23,11 +24,35 @@ from collections.abc import Callable
 
 import torch
 
-from specwire.cuda_driver import check, context_of, driver
-
 _WAIT_GEQ = 0x0  # CU_STREAM_WAIT_VALUE_GEQ
 _WRITE_DEFAULT = 0x0  # CU_STREAM_WRITE_VALUE_DEFAULT: a memory fence before the write
 _REGISTER_PORTABLE_DEVICEMAP = 0x1 | 0x2  # CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_DEVICEMAP
+
+
+@functools.cache
+def _driver() -> ctypes.CDLL:
+    lib = ctypes.CDLL("libcuda.so.1")
+    for name in ("cuStreamWaitValue64_v2", "cuStreamWriteValue64_v2"):
+        fn = getattr(lib, name)
+        fn.restype = ctypes.c_int
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint]
+    lib.cuDeviceGet.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_int]
+    lib.cuDevicePrimaryCtxRetain.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_int]
+    lib.cuCtxPushCurrent_v2.argtypes = [ctypes.c_void_p]
+    lib.cuCtxPopCurrent_v2.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
+    lib.cuMemHostRegister_v2.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
+    lib.cuMemHostUnregister.argtypes = [ctypes.c_void_p]
+    lib.cuMemHostGetDevicePointer_v2.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_void_p,
+                                                 ctypes.c_uint]
+    lib.cuGetErrorString.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
+    return lib
+
+
+def _check(result: int, what: str) -> None:
+    if result != 0:
+        text = ctypes.c_char_p()
+        _driver().cuGetErrorString(result, ctypes.byref(text))
+        raise RuntimeError(f"{what} failed: CUDA error {result} ({(text.value or b'?').decode()})")
 
 
 SLOT_DIR, SLOT_PREFIX = "/dev/shm", "specwire-slot-"
@@ -65,11 +90,11 @@ class HostSlot:
         if self._address is None:
             host = ctypes.addressof(self._cell)
             torch.cuda.init()  # a current context for the driver's calls
-            lib, device = driver(), ctypes.c_uint64()
-            check(lib.cuMemHostRegister_v2(host, self.SIZE, _REGISTER_PORTABLE_DEVICEMAP),
-                  "cuMemHostRegister")
-            check(lib.cuMemHostGetDevicePointer_v2(ctypes.byref(device), host, 0),
-                  "cuMemHostGetDevicePointer")
+            driver, device = _driver(), ctypes.c_uint64()
+            _check(driver.cuMemHostRegister_v2(host, self.SIZE, _REGISTER_PORTABLE_DEVICEMAP),
+                   "cuMemHostRegister")
+            _check(driver.cuMemHostGetDevicePointer_v2(ctypes.byref(device), host, 0),
+                   "cuMemHostGetDevicePointer")
             self._address = device.value
         return self._address
 
@@ -92,25 +117,47 @@ class HostSlot:
 
     def close(self) -> None:
         if self._address is not None:
-            driver().cuMemHostUnregister(ctypes.addressof(self._cell))
+            _driver().cuMemHostUnregister(ctypes.addressof(self._cell))
         del self._cell
         self._map.close()
+
+
+@functools.cache
+def _primary_context(index: int) -> int:
+    driver, device, context = _driver(), ctypes.c_int(), ctypes.c_void_p()
+    _check(driver.cuDeviceGet(ctypes.byref(device), index), "cuDeviceGet")
+    _check(driver.cuDevicePrimaryCtxRetain(ctypes.byref(context), device), "cuDevicePrimaryCtxRetain")
+    return context.value
+
+
+@contextlib.contextmanager
+def _context_of(stream: torch.cuda.Stream):
+    """Makes the driver's current context the one of `stream`'s device. A device's default stream is handle
+    0, which the driver resolves against the thread's current context; `torch.cuda.device` does not always
+    make that context current (session 37: inside `torch.cuda.device(cuda:1)` the context stayed device 0's,
+    so a wait on cuda:1's default stream went to cuda:0's and the work behind it read stale drafts)."""
+    driver = _driver()
+    _check(driver.cuCtxPushCurrent_v2(_primary_context(stream.device.index)), "cuCtxPushCurrent")
+    try:
+        yield
+    finally:
+        driver.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
 
 
 def write_value(slot: HostSlot, value: int, stream: torch.cuda.Stream) -> None:
     """Queues on `stream` a write of `value` into `slot` behind the work queued on it so far."""
     address = slot.address
-    with context_of(stream.device):
-        check(driver().cuStreamWriteValue64_v2(stream.cuda_stream, address, value, _WRITE_DEFAULT),
-              "cuStreamWriteValue64")
+    with _context_of(stream):
+        _check(_driver().cuStreamWriteValue64_v2(stream.cuda_stream, address, value, _WRITE_DEFAULT),
+               "cuStreamWriteValue64")
 
 
 def wait_value(slot: HostSlot, value: int, stream: torch.cuda.Stream) -> None:
     """Makes the work queued on `stream` from now on wait until `slot` holds at least `value`."""
     address = slot.address
-    with context_of(stream.device):
-        check(driver().cuStreamWaitValue64_v2(stream.cuda_stream, address, value, _WAIT_GEQ),
-              "cuStreamWaitValue64")
+    with _context_of(stream):
+        _check(_driver().cuStreamWaitValue64_v2(stream.cuda_stream, address, value, _WAIT_GEQ),
+               "cuStreamWaitValue64")
 
 
 class SlotWatch:
