@@ -324,7 +324,7 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
             if not self.info.shared_features_host:
                 raise WireError("shared features: this drafter does not map them (--no-shared-features or a "
                                 "CPU drafter)")
-            table = open_table(offer)
+            table = open_table(offer, device=self.proposer.device)
         except WireError as e:
             self.metrics.bad_payloads.labels(reason="bad_tensor").inc()
             log.warning("shared features refused", extra={"reason": str(e)})
@@ -335,9 +335,10 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
 
     def _gather(self, step: pb.DraftStep, table: torch.Tensor | None) -> dict[str, torch.Tensor]:
         """The shared rows `step`'s updates name, by request id, copied to this drafter's GPU in one copy.
-        A request's rows are contiguous in the table, so they are slices of it, joined on the verifier's GPU
-        when there are several: no row index to upload and no gather there (a batch-1 round spent 0.24 ms
-        on those, round_trace). A reference out of the table's bounds is left out: applying it raises."""
+        A request's rows are contiguous in the table, so they are slices of it, joined where the table is
+        mapped (open_table) when there are several: no row index to upload and no gather (a batch-1 round
+        spent 0.24 ms on those, round_trace). A reference out of the table's bounds is left out: applying it
+        raises."""
         if table is None:
             return {}
         refs = []  # (request id, rows)
@@ -415,7 +416,7 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
         output into the shared buffer), then drafts from that output and the feature table as a co-located
         drafter does (queue_drafts); the host waits for the number, then for the drafts."""
         if queued.HasField("settled_buffer"):  # a grown buffer keeps the stream's slot and its numbering
-            buffer = open_table(queued.settled_buffer, (torch.int64,)).view(-1)
+            buffer = open_table(queued.settled_buffer, (torch.int64,), self.proposer.device).view(-1)
             if (shared := self._settled.get(stream)) is not None:
                 shared.buffer = buffer
             else:
@@ -423,7 +424,8 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
         if queued.settled_slot and stream in self._settled:
             self._settled[stream].open_slot(queued.settled_slot, self.proposer.device)
         if queued.HasField("drafts_buffer") and stream in self._settled:
-            self._settled[stream].drafts = open_table(queued.drafts_buffer, (torch.int64,))
+            self._settled[stream].drafts = open_table(queued.drafts_buffer, (torch.int64,),
+                                                      self.proposer.device)
         if queued.drafts_slot and stream in self._settled:
             self._settled[stream].open_drafted(queued.drafts_slot, self.proposer.device)
         if stream not in self._settled or stream not in self._tables:

@@ -56,10 +56,16 @@ def describe(table: torch.Tensor) -> pb.SharedFeatures:
         dtype=WIRE_DTYPE[table.dtype])
 
 
-def open_table(message: pb.SharedFeatures, dtypes: tuple[torch.dtype, ...] = FEATURE_DTYPES) -> torch.Tensor:
-    """The verifier's table as a tensor on its GPU, mapped into this process; raises WireError naming what is
-    wrong (a dtype not in `dtypes`, a GPU this process cannot see, a shape its storage cannot hold) or what
-    CUDA refused."""
+def open_table(message: pb.SharedFeatures, dtypes: tuple[torch.dtype, ...] = FEATURE_DTYPES,
+               device: torch.device | None = None) -> torch.Tensor:
+    """The verifier's table, mapped into this process; raises WireError naming what is wrong (a dtype not in
+    `dtypes`, a GPU this process cannot see, a shape its storage cannot hold) or what CUDA refused.
+
+    device: this process's own GPU. Where it can reach the table's GPU directly (peer access: NVLink or
+    PCIe), the table is mapped into its context and is a tensor on it, so every read and write of the table
+    is that GPU's work. Otherwise the table is a tensor on its own GPU, and copies from it run there in a
+    second context of this process, which takes turns with the verifier's on that GPU (time slices) and
+    which the driver stages through host memory for copies queued on `device` (session 39's profile)."""
     dtype = TORCH_DTYPE.get(message.dtype)
     if dtype not in dtypes:
         raise WireError(f"shared features: dtype enum value {message.dtype} is not one of "
@@ -76,6 +82,9 @@ def open_table(message: pb.SharedFeatures, dtypes: tuple[torch.dtype, ...] = FEA
     if index is None:
         raise WireError(f"shared features: GPU {message.device_uuid} is not visible to this drafter "
                         f"(CUDA_VISIBLE_DEVICES)")
+    if device is not None and device.type == "cuda" and device.index != index \
+            and torch.cuda.can_device_access_peer(device.index, index):
+        index = device.index  # CUDA maps another GPU's memory into this one's context (peer access)
     try:
         storage = torch.UntypedStorage._new_shared_cuda(
             index, message.memory_handle, message.storage_size_bytes, message.storage_offset_bytes,

@@ -64,7 +64,7 @@ def in_process_mapping(monkeypatch):
         return pb.SharedFeatures(device_uuid=key, shape=list(table.shape), dtype=pb.DTYPE_FLOAT32)
 
     monkeypatch.setattr(drafter_link, "describe", fake_describe)
-    monkeypatch.setattr(drafter_server, "open_table", lambda message, *dtypes: tables[message.device_uuid])
+    monkeypatch.setattr(drafter_server, "open_table", lambda message, *_, **__: tables[message.device_uuid])
     return tables
 
 
@@ -405,15 +405,20 @@ CHILD = """
 import sys, numpy as np, torch
 from specwire.shared_features import open_table
 from specwire.v1 import drafter_pb2 as pb
-table = open_table(pb.SharedFeatures.FromString(sys.stdin.buffer.read()))
-rows = table[3:7].to("cuda:0").float().cpu().numpy()  # to the first GPU, as a drafter copies them
-sys.stdout.buffer.write(rows.tobytes())
+device = torch.device("cuda:0")  # the first GPU, as a drafter's
+table = open_table(pb.SharedFeatures.FromString(sys.stdin.buffer.read()), device=device)
+rows = table.index_select(0, torch.arange(3, 7, device=table.device)).to(device)  # as a drafter gathers them
+table[60:62] = torch.full((2, table.shape[1]), 7, dtype=table.dtype, device=table.device)  # and writes drafts
+torch.cuda.synchronize(device)
+sys.stdout.buffer.write(f"{table.device}\\n".encode() + rows.float().cpu().numpy().tobytes())
 """
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_another_process_maps_the_table_and_reads_its_rows():
+def test_another_process_maps_the_table_on_its_own_gpu_and_reads_and_writes_its_rows():
+    """A drafter on another GPU that can reach the verifier's (peer access) maps the table into its own GPU's
+    context, so its reads and writes are that GPU's work and none of it runs on the verifier's GPU."""
     device = torch.device("cuda", torch.cuda.device_count() - 1)
     table = torch.randn(64, 96, device=device).to(torch.bfloat16)
     offer = describe(table)
@@ -421,8 +426,12 @@ def test_another_process_maps_the_table_and_reads_its_rows():
     child = subprocess.run([sys.executable, "-c", CHILD], input=offer.SerializeToString(),
                            capture_output=True, timeout=120)
     assert child.returncode == 0, child.stderr.decode()[-2000:]
-    got = np.frombuffer(child.stdout, dtype=np.float32).reshape(4, 96)
+    where, data = child.stdout.split(b"\n", 1)
+    peers = device.index != 0 and torch.cuda.can_device_access_peer(0, device.index)
+    assert where.decode() == ("cuda:0" if peers else str(device))
+    got = np.frombuffer(data, dtype=np.float32).reshape(4, 96)
     np.testing.assert_array_equal(got, table[3:7].float().cpu().numpy())
+    assert (table[60:62] == 7).all()
 
 
 @pytest.mark.gpu
