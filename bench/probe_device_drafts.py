@@ -40,13 +40,13 @@ def variant(scope: str, warm: bool) -> None:
     with torch.cuda.stream(drafter):
         buffer.view(2, K).copy_(buffer.view(2, K))
     if warm:
-        DeviceDrafts.pick(buffer, 2, K, 3, 100)
+        DeviceDrafts.pick(buffer, [(0, 3), (1, 3)], K, 100)
     torch.cuda.synchronize(device)
     if scope == "set_device":
         torch.cuda.set_device(device)
     with torch.cuda.device(device):
         at_wait = context_device()
-        ids = DeviceDrafts(buffer, slot, 1, K, SlotWatch(), 30.0).read(2, 3, vocab_size=100)
+        ids = DeviceDrafts(buffer, slot, 1, K, SlotWatch(), 30.0).read([(0, 3), (1, 3)], vocab_size=100)
         done = torch.cuda.Event()
         done.record()
         time.sleep(0.05)

@@ -35,24 +35,43 @@ def _queued(slot: HostSlot, wants: list[Want], ids=("a", "b", "c"), on_device: b
 GREEDY = Want(3, 0.0, 0)
 
 
-@pytest.mark.parametrize("case, wants, ids, room, width", [
-    ("read on the device", [GREEDY] * 3, ["a", "b", "c"], [4, 4, 3], 3),
-    ("another order", [GREEDY] * 3, ["b", "a", "c"], [4, 4, 4], 0),
-    ("a request gone", [GREEDY] * 3, ["a", "b"], [4, 4], 0),
-    ("a sampled row (q in the answer)", [GREEDY, Want(3, 1.0, 8), GREEDY], ["a", "b", "c"], [4] * 3, 0),
-    ("rows asking different numbers", [GREEDY, Want(2, 0.0, 0), GREEDY], ["a", "b", "c"], [4] * 3, 0),
-    ("a row without room for them", [GREEDY] * 3, ["a", "b", "c"], [4, 2, 4], 0),
-    ("more drafts than the buffer's width", [Want(K + 1, 0.0, 0)] * 3, ["a", "b", "c"], [9] * 3, 0),
+@pytest.mark.parametrize("case, wants, ids, room, rows", [
+    ("read on the device", [GREEDY] * 3, ["a", "b", "c"], [4, 4, 3], [(0, 3), (1, 3), (2, 3)]),
+    ("requests gone since", [GREEDY] * 3, ["a", "c"], [4, 4], [(0, 3), (2, 3)]),
+    ("rows asking different numbers", [GREEDY, Want(2, 0.0, 0), GREEDY], ["a", "b", "c"], [4] * 3,
+     [(0, 3), (1, 2), (2, 3)]),
+    ("rows cut to their room", [GREEDY] * 3, ["a", "b", "c"], [4, 2, 0], [(0, 3), (1, 2), (2, 0)]),
+    ("no room for any", [GREEDY] * 3, ["a", "b"], [0, 0], None),
+    ("another order", [GREEDY] * 3, ["b", "a", "c"], [4, 4, 4], None),
+    ("a request the drafts are not for", [GREEDY] * 3, ["a", "d"], [4, 4], None),
+    ("a sampled row (q in the answer)", [GREEDY, Want(3, 1.0, 8), GREEDY], ["a", "b", "c"], [4] * 3, None),
+    ("more drafts than the buffer's width", [Want(K + 1, 0.0, 0)] * 3, ["a", "b", "c"], [9] * 3, None),
 ])
-def test_drafts_are_read_on_the_device_only_for_the_same_greedy_rows(slot, case, wants, ids, room, width):
-    assert _queued(slot, wants).device_width(ids, room) == width, case
+def test_drafts_are_read_on_the_device_for_greedy_rows_in_their_order(slot, case, wants, ids, room, rows):
+    assert _queued(slot, wants).device_rows(ids, room) == rows, case
+
+
+def test_a_sampled_row_gone_since_does_not_keep_the_others_off_the_device(slot):
+    queued = _queued(slot, [GREEDY, Want(3, 1.0, 8), GREEDY])
+    assert queued.device_rows(["a", "c"], [4, 4]) == [(0, 3), (2, 3)]
 
 
 def test_drafts_are_not_read_on_the_device_without_a_buffer_or_once_answered(slot):
-    assert _queued(slot, [GREEDY] * 3, on_device=False).device_width(["a", "b", "c"], [4] * 3) == 0
+    assert _queued(slot, [GREEDY] * 3, on_device=False).device_rows(["a", "b", "c"], [4] * 3) is None
     answered = _queued(slot, [GREEDY] * 3)
     answered.answer = None  # arrive() has read the answer: its drafts go through the host's checks
-    assert answered.device_width(["a", "b", "c"], [4] * 3) == 0
+    assert answered.device_rows(["a", "b", "c"], [4] * 3) is None
+
+
+@pytest.mark.parametrize("rows", [[(0, 2), (1, 2)], [(0, K), (1, K), (2, K)], [(1, 3), (3, 1)],
+                                  [(0, 3), (1, 0)]])
+def test_the_rows_read_are_each_rows_first_drafts_clamped_into_the_vocabulary(rows):
+    """DeviceDrafts.pick against a plain gather: the buffer's lead rows as a slice, any others by an
+    index; ids past the vocabulary or below 0 clamped into it."""
+    buffer = torch.arange(-3, 6 * K - 3, dtype=torch.int64).view(-1, 1) * 7
+    table = buffer.view(6, K)
+    expected = [min(max(int(table[row, j]), 0), 99) for row, n in rows for j in range(n)]
+    assert DeviceDrafts.pick(buffer, rows, K, vocab_size=100).tolist() == expected
 
 
 @pytest.mark.gpu
@@ -64,7 +83,8 @@ def test_the_gpu_reads_the_drafts_once_written_and_a_stalled_wait_is_ended_from_
     # kernel's first launch (its module loaded lazily) or a copy from pageable memory would, hanging the test
     # (a drafter's writes come from another process)
     written = torch.tensor([[5, 10**9, -3, 7], [1, 2, 99, 100]], device=device)
-    DeviceDrafts.pick(buffer, 2, K, 3, 100)
+    for rows in ([(0, 3), (1, 3)], [(0, 2), (1, 2)], [(1, 1)]):  # the slice and the index paths
+        DeviceDrafts.pick(buffer, rows, K, 100)
     drafter = torch.cuda.Stream(device)  # as a drafter's GPU: the drafts, then the number behind them
     with torch.cuda.stream(drafter):
         buffer.view(2, K).copy_(buffer.view(2, K))
@@ -72,7 +92,7 @@ def test_the_gpu_reads_the_drafts_once_written_and_a_stalled_wait_is_ended_from_
     with torch.cuda.device(device):
         releases = []
         watch = SlotWatch(lambda: releases.append(slot.value))
-        ids = DeviceDrafts(buffer, slot, 1, K, watch, 30.0).read(2, 3, vocab_size=100)
+        ids = DeviceDrafts(buffer, slot, 1, K, watch, 30.0).read([(0, 3), (1, 3)], vocab_size=100)
         done = torch.cuda.Event()
         done.record()
         time.sleep(0.05)
@@ -84,7 +104,7 @@ def test_the_gpu_reads_the_drafts_once_written_and_a_stalled_wait_is_ended_from_
         assert ids.tolist() == [5, 99, 0, 1, 2, 99], "ids outside the vocabulary must be clamped into it"
 
         assert not releases, "a wait that ended in time was released"
-        again = DeviceDrafts(buffer, slot, 2, K, watch, 0.3).read(2, 2, vocab_size=100)  # no write comes
+        again = DeviceDrafts(buffer, slot, 2, K, watch, 0.3).read([(1, 2)], vocab_size=100)  # no write comes
         done.record()
         time.sleep(0.05)
         assert not done.query()
@@ -92,4 +112,4 @@ def test_the_gpu_reads_the_drafts_once_written_and_a_stalled_wait_is_ended_from_
         while not done.query():  # the watch ends the wait: the buffer is read as it is
             assert time.monotonic() < deadline, "the stalled wait was not ended from the host"
             time.sleep(0.001)
-        assert again.tolist() == [5, 99, 1, 2] and releases == [2]
+        assert again.tolist() == [1, 2] and releases == [2]

@@ -495,15 +495,19 @@ class _DraftsOnTheHost(drafter_link.DeviceDrafts):
     """DeviceDrafts with the GPU's wait swapped out (a CPU has no stream to wait on): the ids are read from
     the buffer as it is, here garbage, as a drafter that refused its step would leave it."""
 
-    def read(self, n: int, k: int, vocab_size: int) -> torch.Tensor:
-        return self.pick(self.buffer, n, self.width, k, vocab_size)
+    reads: list[list[tuple[int, int]]] = []  # every read's rows, in order
+
+    def read(self, rows: list[tuple[int, int]], vocab_size: int) -> torch.Tensor:
+        self.reads.append(rows)
+        return self.pick(self.buffer, rows, self.width, vocab_size)
 
 
 def test_greedy_output_is_the_targets_whatever_the_drafts_read_on_the_device(in_process_mapping, monkeypatch):
     """The scheduler's path for drafts read on the device (Scheduler._drafts_on_device, the answer awaited
     after the round), through a real gRPC drafter that queues behind the sampler, with the GPU's wait
     swapped out and garbage in the buffer (ids out of the vocabulary too, which must be clamped): greedy
-    output must be target-only's, the device reads must have happened, and every request must end."""
+    output must be target-only's, the device reads must have happened, also with rows cut to their room (the
+    requests end at different rounds), and every request must end."""
     config, sd, head, engine, proposer, _ = recording_drafter("cpu", "cpu", 0, 0)
     service = drafter_service(proposer, config)
     says_it_maps(service)
@@ -520,7 +524,7 @@ def test_greedy_output_is_the_targets_whatever_the_drafts_read_on_the_device(in_
     monkeypatch.setattr(DrafterLink, "take_drafts", take_with_device_drafts)
     g = torch.Generator().manual_seed(11)
     prompts = [torch.randint(3, 30_000, (int(n),), generator=g).tolist() for n in (6, 19, 11)]
-    params = SamplingParams(temperature=0.0, max_tokens=LONG, ignore_eos=True)
+    lengths = [LONG, LONG - 6, LONG - 3]  # requests end at different rounds
 
     async def run(link: DrafterLink | None, metrics: VerifierMetrics) -> list[list[int]]:
         scheduler = Scheduler(engine, synthetic_tokenizer(config), metrics,
@@ -530,7 +534,9 @@ def test_greedy_output_is_the_targets_whatever_the_drafts_read_on_the_device(in_
         try:
             while link is not None and not link.connected:
                 await asyncio.sleep(0.01)
-            requests = [scheduler.submit(p, params, request_id=str(i)) for i, p in enumerate(prompts)]
+            requests = [scheduler.submit(p, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True),
+                                         request_id=str(i))
+                        for i, (p, n) in enumerate(zip(prompts, lengths, strict=True))]
             for r in requests:
                 while (await r.outputs.get()).finish_reason is None:
                     pass
@@ -547,7 +553,9 @@ def test_greedy_output_is_the_targets_whatever_the_drafts_read_on_the_device(in_
     outputs = asyncio.run(speculative(metrics))
     assert metrics.registry.get_sample_value("specwire_queued_drafts_read_on_device_total") > 10
     assert outputs == asyncio.run(run(None, VerifierMetrics()))
-    assert all(len(t) - len(p) == LONG for t, p in zip(outputs, prompts, strict=True))
+    assert [len(t) - len(p) for t, p in zip(outputs, prompts, strict=True)] == lengths
+    reads = _DraftsOnTheHost.reads
+    assert any(n < K for rows in reads for _, n in rows), "no read of rows cut to their room"
 
 
 def _greedy_outputs(port: int, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:

@@ -29,6 +29,7 @@ from specwire.verifier.alignment import Drafts, Want, read_result
 from specwire import grpc_common, round_trace
 from specwire.metrics import VerifierMetrics
 from specwire.shared_features import describe, device_uuid, host_id
+from specwire.staging import upload
 from specwire.step_socket import FrameError, MessageSocket
 from specwire.stream_values import RELEASED, HostSlot, SlotWatch, wait_value, write_value
 from specwire.v1 import drafter_pb2 as pb
@@ -271,19 +272,27 @@ class DeviceDrafts:
     watch: SlotWatch  # ends the GPU's wait after `timeout` seconds (a drafter that stalled or died)
     timeout: float
 
-    def read(self, n: int, k: int, vocab_size: int) -> torch.Tensor:
-        """The first k drafts of each of the n rows, flat, read by work queued on the current stream from
-        now on once the drafter has written them (the host does not wait; past the timeout the buffer is
-        read as it is). Ids past the vocabulary (a faulty drafter's) become the last id: drafts only decide
-        what is accepted, never what is emitted."""
+    def read(self, rows: list[tuple[int, int]], vocab_size: int) -> torch.Tensor:
+        """For each (row, k) of `rows`, that row's first k drafts, flat, read by work queued on the current
+        stream from now on once the drafter has written them (the host does not wait; past the timeout the
+        buffer is read as it is). Ids past the vocabulary (a faulty drafter's) become the last id: drafts
+        only decide what is accepted, never what is emitted."""
         wait_value(self.slot, self.sequence, torch.cuda.current_stream(self.buffer.device))
         self.watch.watch(self.slot, self.sequence, self.timeout)
-        return self.pick(self.buffer, n, self.width, k, vocab_size)
+        return self.pick(self.buffer, rows, self.width, vocab_size)
 
     @staticmethod
-    def pick(buffer: torch.Tensor, n: int, width: int, k: int, vocab_size: int) -> torch.Tensor:
-        rows = buffer.view(-1)[:n * width].view(n, width)
-        return rows[:, :k].clamp(0, vocab_size - 1).flatten()
+    def pick(buffer: torch.Tensor, rows: list[tuple[int, int]], width: int, vocab_size: int) -> torch.Tensor:
+        """The drafts `read` returns, queued without a wait for the host: the lead rows as a slice where
+        they are the buffer's first rows, each read as far (the batch the drafts were queued for), else by
+        an index uploaded from the host (rows gone since, or cut to their room)."""
+        k = rows[0][1]
+        if all(row == i and n == k for i, (row, n) in enumerate(rows)):
+            picked = buffer.view(-1)[:len(rows) * width].view(len(rows), width)[:, :k]
+        else:
+            cells = torch.tensor([row * width + j for row, n in rows for j in range(n)], dtype=torch.int64)
+            picked = buffer.view(-1).index_select(0, upload(cells, buffer.device))
+        return picked.clamp(0, vocab_size - 1).flatten()
 
 
 @dataclass
@@ -335,19 +344,23 @@ class QueuedDrafts:
             return None
         return self.proposal
 
-    def device_width(self, request_ids: list[str], room: list[int]) -> int:
-        """How many drafts per row a verification of `request_ids` reads of on_device before the answer
-        comes, or 0 (it waits for the answer): the same requests in the same order, all greedy (their drafts
-        carry no q, and a greedy row's output is the target's whatever its drafts are: a drafter that refused
-        the step, or dropped a request, costs acceptance only), each asking as many drafts and having room
-        for them."""
-        if self.on_device is None or self.answer is None or request_ids != self.request_ids:
-            return 0
-        ks = {w.num_drafts for w in self.wants}
-        k = ks.pop() if len(ks) == 1 else 0
-        if not 0 < k <= self.on_device.width or any(w.temperature > 0 for w in self.wants) or min(room) < k:
-            return 0
-        return k
+    def device_rows(self, request_ids: list[str], room: list[int]) -> list[tuple[int, int]] | None:
+        """What a verification of `request_ids` reads of on_device before the answer comes: per request, its
+        row there and how many drafts (as many as it asked, cut to its room); None: it waits for the answer.
+        The requests must be these drafts' in their order, some perhaps gone since (finished), all greedy
+        (their drafts carry no q, and a greedy row's output is the target's whatever its drafts are: a
+        drafter that refused the step, or dropped a request, costs acceptance only)."""
+        if self.on_device is None or self.answer is None:
+            return None
+        at = {rid: i for i, rid in enumerate(self.request_ids)}
+        rows = [at.get(rid, -1) for rid in request_ids]
+        if not rows or min(rows) < 0 or rows != sorted(rows):  # (a request is in a batch once)
+            return None
+        wants = [self.wants[row] for row in rows]
+        if any(w.temperature > 0 or w.num_drafts > self.on_device.width for w in wants):
+            return None
+        counts = [min(w.num_drafts, n) for w, n in zip(wants, room, strict=True)]
+        return list(zip(rows, counts, strict=True)) if any(counts) else None
 
     def per_request(self) -> dict[str, Drafts]:
         """The drafts by request id, on the host (this waits for an in-process drafter's)."""
@@ -514,10 +527,11 @@ class DrafterLink(_StepResults):
         if on_device and self._drafts is None:  # as many rows as the sampler output's buffer
             capacity = self._settled.numel() // width * self.info.max_num_drafts
             self._drafts = torch.zeros(capacity, 1, dtype=torch.int64, device=features.device)
-            # DeviceDrafts.read's kernels launched once before any stream waits for the drafter (in a GPU
-            # test, the first launch behind a wait read the buffer before the write it waited for)
-            for k in {1, self.info.max_num_drafts}:
-                DeviceDrafts.pick(self._drafts, 1, self.info.max_num_drafts, k, self.handshake.vocab_size)
+            # DeviceDrafts.read's kernels launched once before any stream waits for the drafter (a kernel's
+            # first launch may wait for the device: lazy module loading, bench/results/session38/)
+            width = self.info.max_num_drafts
+            for rows in ([(0, 1)], [(0, width)], [(0, 1), (0, 1)]):  # a slice, strided or whole; an index
+                DeviceDrafts.pick(self._drafts, rows, width, self.handshake.vocab_size)
         if not self._settled_offered:
             queued.settled_buffer.CopyFrom(describe(self._settled))
             if on_device:

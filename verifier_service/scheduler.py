@@ -865,17 +865,17 @@ class Scheduler:
 
     def _drafts_on_device(self, live: list[Request]) -> BatchDrafts | None:
         """The drafts queued behind the last sampler, read where a drafter process's GPU writes them, before
-        its answer comes (QueuedDrafts.device_width says when); None: they are read from the answer."""
+        its answer comes (QueuedDrafts.device_rows says when); None: they are read from the answer."""
         queued = self._queued_drafts
         if queued is None or queued.on_device is None:  # (the usual case: no list built a round for it)
             return None
-        k = queued.device_width([r.id for r in live], [self._num_drafts(r) for r in live])
-        if not k:
+        rows = queued.device_rows([r.id for r in live], [self._num_drafts(r) for r in live])
+        if rows is None:
             return None
         self._queued_drafts = None
         self.metrics.drafts_read_on_device.inc()
-        ids = queued.on_device.read(len(live), k, self.vocab_size)
-        return BatchDrafts([[0] * k for _ in live], None, ids)
+        ids = queued.on_device.read(rows, self.vocab_size)
+        return BatchDrafts([[0] * k for _, k in rows], None, ids)
 
     def _take_queued_drafts(self, live: list[Request], step: _Step) -> set[str]:
         """The drafts queued behind this round's sampler, kept for the next round where the drafter left
