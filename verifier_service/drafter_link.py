@@ -529,9 +529,9 @@ class DrafterLink(_StepResults):
             self._drafts = torch.zeros(capacity, 1, dtype=torch.int64, device=features.device)
             # DeviceDrafts.read's kernels launched once before any stream waits for the drafter (a kernel's
             # first launch may wait for the device: lazy module loading, bench/results/session38/)
-            width = self.info.max_num_drafts
-            for rows in ([(0, 1)], [(0, width)], [(0, 1), (0, 1)]):  # a slice, strided or whole; an index
-                DeviceDrafts.pick(self._drafts, rows, width, self.handshake.vocab_size)
+            k = self.info.max_num_drafts
+            for picked in ([(0, 1)], [(0, k)], [(0, 1), (0, 1)]):  # a slice, strided or whole; an index
+                DeviceDrafts.pick(self._drafts, picked, k, self.handshake.vocab_size)
         if not self._settled_offered:
             queued.settled_buffer.CopyFrom(describe(self._settled))
             if on_device:
