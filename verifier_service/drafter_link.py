@@ -401,7 +401,7 @@ class DrafterLink(_StepResults):
         channel_options: grpc_common.ChannelOptions | None = None,
         step_timeout: float = 0.5, max_in_flight: int = 4, backoff: tuple[float, float] = (0.05, 5.0),
         socket_path: str | None = None, share_from: torch.device | None = None,
-        drafts_on_device: bool = False,
+        drafts_on_device: bool = True,
     ):
         """max_in_flight bounds the steps the drafter holds (answered late or not yet), so a slow drafter is
         never flooded. socket_path: the drafter's step socket, for the Draft stream (the handshake stays on

@@ -183,7 +183,7 @@ class VerifierSettings:
     drafter: str | None = None  # HOST:PORT; None = target-only
     drafter_socket: str | None = None  # the drafter's step socket (same host): the Draft stream goes over it
     shared_features: bool = True  # a drafter on this host maps the feature table (specwire.shared_features)
-    drafts_on_device: bool = False  # its queued drafts read on this GPU where it writes them (DrafterLink)
+    drafts_on_device: bool = True  # its queued drafts read on this GPU where it writes them (DrafterLink)
     drafter_channel: grpc_common.ChannelOptions = grpc_common.ChannelOptions()
     step_timeout: float = 1.0  # seconds a step waits for its drafts before verifying without them
     scheduler: SchedulerConfig = SchedulerConfig()
