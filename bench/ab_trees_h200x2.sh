@@ -15,6 +15,8 @@
 # The 8B shape, carry [".devcarry/wmin", ".devcarry/old"]:
 #   BEFORE=<sha> AFTER=<sha> bash bench/ab_trees_h200x2.sh --workloads synthetic --lengths 3 --hit-rates 0.8 \
 #       --setups target_only,two_gpus --batch-sizes 1,16 --temperatures 0 --sweep-ks '' --repeats 3
+# Pass --paired (bench_services.py) to measure each speculative point against target-only batches run between its
+# own on a second verifier, so the machine's drift between configurations cancels (the trees must both have it).
 # DRAFTER_DEVICE / VERIFIER_DEVICE (default cuda:0 / cuda:1) put both services on one GPU. TRACE=1 records the
 # rounds' marks (specwire/round_trace.py) of each run, and bench/round_timeline.py's tables of them.
 set -uo pipefail

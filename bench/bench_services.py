@@ -32,6 +32,13 @@ device time instead (specwire_verify_gpu_seconds, CUDA events around the forward
 engine-thread time of a verification launched before the drafts it is queued behind are drafted (co-located,
 drafts fed from the device) holds the device's wait for them, which the device time leaves out.
 
+With --paired, a second verifier, target-only, runs beside the speculative ones for the whole run, and each
+speculative point's batches alternate with its batches of the same prompts (target-only first, then last,
+then first...): `speedup` and `output_equal_rate` are then against those (`paired_target`), measured seconds
+apart instead of minutes, so drift of the machine between configurations (target-only's own tokens/s moved
+by 10% and more between the sides of one A/B call, bench/results/session39/) cancels; `speedup_unpaired`
+keeps the ratio to the target-only row. Its batches are left out of the GPUs' busy share.
+
 Setups run in priority order until --budget-seconds have passed; the rest are listed as skipped. Results are
 written after every configuration, so a run cut short keeps what it measured.
 """
@@ -41,6 +48,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import functools
 import json
 import os
 import platform
@@ -153,6 +161,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--loads", type=csv(load_kind), default=["batch"],
                    help="batch (all of a batch sent at once, --repeats times) and/or sustained (batch "
                         "requests in flight at a time; batch sizes > 1)")
+    p.add_argument("--paired", action="store_true",
+                   help="each speculative point's batches alternate with target-only batches of the same "
+                        "prompts on a target-only verifier kept beside it (target first, then the other "
+                        "first, ...): `speedup` is over those, measured side by side minutes closer than the "
+                        "target-only row; `speedup_unpaired` keeps the ratio to that row (batch load only)")
     p.add_argument("--chunk-times", action="store_true",
                    help="write every request's chunk arrival times and sizes to chunks_TAG.jsonl (where ITL "
                         "goes)")
@@ -239,12 +252,16 @@ def batches_per_point(batch: int, repeats: int, min_requests: int) -> int:
 
 
 def measure(client: Client, port: int, metric_ports: dict[str, int | None], gpus: list[int],
-            prompts: list[str], batches: list[int], args: argparse.Namespace) -> list[dict]:
+            prompts: list[str], batches: list[int], args: argparse.Namespace, paired: int | None = None
+            ) -> list[dict]:
     """Rows of one running configuration: every (batch, temperature, load), after a short warm-up of each
-    batch and temperature. Both loads send the same prompts in the same order."""
+    batch and temperature. Both loads send the same prompts in the same order. paired: the port of a
+    target-only verifier whose batches alternate with this one's (--paired; batch load)."""
     for batch in batches:
         for temperature in args.temperatures:
             client.run_batch(port, prompts[:batch], 16, temperature)
+            if paired is not None:
+                client.run_batch(paired, prompts[:batch], 16, temperature)
     rows = []
     for batch in batches:
         for temperature in args.temperatures:
@@ -254,20 +271,31 @@ def measure(client: Client, port: int, metric_ports: dict[str, int | None], gpus
                 repeats = batches_per_point(batch, args.repeats, args.min_requests)
                 chosen = [prompts[i % len(prompts)] for i in range(repeats * batch)]
                 before = {name: scrape(p) for name, p in metric_ports.items()}
-                wall, timings = 0.0, []
+                wall, timings, target = 0.0, [], [0.0, []]  # target: a --paired point's (wall, timings)
                 with GpuBusy(gpus) as busy:
+                    target_batch = functools.partial(_paired_batch, client, paired,
+                                                     max_tokens=args.max_tokens, temperature=temperature,
+                                                     busy=busy, into=target)
                     if load == "sustained":
                         wall, timings = client.run_sustained(port, chosen, batch, args.max_tokens,
                                                              temperature)
                     else:
                         for r in range(repeats):
-                            seconds, got = client.run_batch(port, chosen[r * batch:(r + 1) * batch],
-                                                            args.max_tokens, temperature)
+                            sent = chosen[r * batch:(r + 1) * batch]
+                            if paired is not None and r % 2 == 0:  # target-only first in even repeats
+                                target_batch(sent)
+                            seconds, got = client.run_batch(port, sent, args.max_tokens, temperature)
                             wall, timings = wall + seconds, timings + got
+                            if paired is not None and r % 2 == 1:  # and last in odd ones
+                                target_batch(sent)
                 delta = Delta(before, {name: scrape(p) for name, p in metric_ports.items()})
                 start = min(t.sent_at for t in timings)
+                paired_row = {} if not target[1] else {
+                    "paired_target": {k: v for k, v in summarize(*target).items()
+                                      if k in ("requests", "tokens", "seconds", "tokens_per_s")},
+                    "_paired_outputs": [t.token_ids for t in target[1]]}
                 rows.append({"batch": batch, "temperature": temperature, "load": load,
-                             **summarize(wall, timings),
+                             **summarize(wall, timings), **paired_row,
                              "round_ms": round_split(delta, wall), "prefill": prefill_split(delta, wall),
                              "cache": cache_hit_rate(delta),
                              "wire_bytes_per_step": wire_bytes_per_step(delta), "gpu_busy": busy.result(),
@@ -286,6 +314,16 @@ def measure(client: Client, port: int, metric_ports: dict[str, int | None], gpus
     return rows
 
 
+def _paired_batch(client: Client, port: int, prompts: list[str], max_tokens: int, temperature: float,
+                  busy: GpuBusy, into: list) -> None:
+    """One target-only batch of a --paired point, added to `into` ([wall, timings]); the GPUs' busy share is
+    not sampled meanwhile."""
+    with busy.paused():
+        seconds, got = client.run_batch(port, prompts, max_tokens, temperature)
+    into[0] += seconds
+    into[1] += got
+
+
 def _mismatch(request: int, got: list[int], want: list[int]) -> dict:
     """Where a request's output first parts from target-only's, and the 4 tokens from there on each side."""
     shorter = min(len(got), len(want))
@@ -297,10 +335,15 @@ def compare(row: dict, base: dict | None, real_model: bool) -> dict:
     """speedup, output equality and the ideal speedup of a row against the target-only row (same point)."""
     if row["setup"] == "target_only":
         return {"speedup": 1.0}
-    if base is None:
+    paired = row.get("paired_target")
+    if base is None and paired is None:
         return {"speedup": None}
-    out = {"speedup": row["tokens_per_s"] / base["tokens_per_s"]}
-    if row["setup"] == "transformers":
+    # --paired: against the target-only batches run between this point's, the same prompts
+    reference = paired or base
+    out = {"speedup": row["tokens_per_s"] / reference["tokens_per_s"]}
+    if paired is not None:
+        out["speedup_unpaired"] = row["tokens_per_s"] / base["tokens_per_s"] if base is not None else None
+    if row["setup"] == "transformers" or base is None:
         return out
     # The same over the decode time alone: prefill steps are the same work in both runs, a larger share of
     # the shorter one's wall (a diagnostic beside `speedup`, which is what users get).
@@ -308,7 +351,8 @@ def compare(row: dict, base: dict | None, real_model: bool) -> dict:
     if None not in shares and shares[0] < 1:
         out["speedup_decode"] = out["speedup"] * (1 - shares[1]) / (1 - shares[0])
     if real_model and row["temperature"] == 0:
-        pairs = list(zip(row["_outputs"], base["_outputs"], strict=True))
+        reference_outputs = row["_paired_outputs"] if paired else base["_outputs"]
+        pairs = list(zip(row["_outputs"], reference_outputs, strict=True))
         out["output_equal_rate"] = sum(a == b for a, b in pairs) / len(pairs)
         # Where an output parts from target-only's (up to 8): a lone late divergence suggests bf16 batch
         # variance at a near tie (the two runs batch the request differently); a bug would show early, often.
@@ -338,7 +382,9 @@ def run_job(fleet: Fleet, client: Client, job: Job, prompts: list[str], args: ar
     try:
         drafter = fleet.drafters.get(w.name) if setup in TWO_PROCESSES else None
         ports = {"verifier": fleet.metrics_port(service), "drafter": fleet.metrics_port(drafter)}
-        return measure(client, service.port, ports, devices.gpu_indices(setup), prompts, batches, args)
+        paired = fleet.paired_target(w).port if args.paired and setup != "target_only" else None
+        return measure(client, service.port, ports, devices.gpu_indices(setup), prompts, batches, args,
+                       paired)
     finally:
         fleet.stop(service)
 

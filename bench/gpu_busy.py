@@ -6,9 +6,11 @@ either. GPU indices are NVML's: run the services with CUDA_DEVICE_ORDER=PCI_BUS_
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import subprocess
 import threading
+from collections.abc import Iterator
 
 
 class GpuBusy:
@@ -16,8 +18,18 @@ class GpuBusy:
         self.indices, self.interval = indices, interval
         self.samples: dict[int, list[float]] = {i: [] for i in indices}
         self.source = _source() if indices else None
-        self._stop = threading.Event()
+        self._stop, self._paused = threading.Event(), threading.Event()
         self._worker: threading.Thread | subprocess.Popen | None = None
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """No samples are kept meanwhile (another service's work between this one's, bench_services
+        --paired)."""
+        self._paused.set()
+        try:
+            yield
+        finally:
+            self._paused.clear()
 
     def __enter__(self) -> GpuBusy:
         if self.source == "pynvml":
@@ -53,14 +65,16 @@ class GpuBusy:
             handles = {i: pynvml.nvmlDeviceGetHandleByIndex(i) for i in self.indices}
             while not self._stop.wait(self.interval):
                 for i, h in handles.items():
-                    self.samples[i].append(float(pynvml.nvmlDeviceGetUtilizationRates(h).gpu))
+                    busy = float(pynvml.nvmlDeviceGetUtilizationRates(h).gpu)
+                    if not self._paused.is_set():
+                        self.samples[i].append(busy)
         finally:
             pynvml.nvmlShutdown()
 
     def _read_smi(self, process: subprocess.Popen) -> None:
         for line in process.stdout:
             index, _, busy = line.partition(",")
-            if index.strip().isdigit() and int(index) in self.samples:
+            if index.strip().isdigit() and int(index) in self.samples and not self._paused.is_set():
                 self.samples[int(index)].append(float(busy))
 
 

@@ -78,6 +78,7 @@ class Fleet:
         self.max_context, self.timeout = max_context, startup_timeout
         self.logs = Path(tempfile.mkdtemp(prefix="specwire-bench-"))
         self.drafters: dict[str, Service] = {}
+        self.targets: dict[str, Service] = {}  # per workload: the target-only verifier of --paired points
         self.metrics_ports: dict[str, int] = {}  # service name -> its /metrics port
         self.services: list[Service] = []
 
@@ -104,12 +105,20 @@ class Fleet:
                 "--max-context", str(self.max_context), "--step-socket", self.step_socket(w)])
         return self.drafters[w.name]
 
+    def paired_target(self, w: Workload) -> Service:
+        """A target-only verifier kept for the whole run beside the speculative ones (bench_services
+        --paired), on the verifier's device."""
+        if w.name not in self.targets:
+            self.targets[w.name] = self.verifier(w, "target_only", 0, None, role="-paired")
+        return self.targets[w.name]
+
     def step_socket(self, w: Workload) -> str:
         return str(self.logs / f"drafter-{w.name}.sock")
 
-    def verifier(self, w: Workload, setup: str, k: int, length: float | None, hit: HitRate = None
-                 ) -> Service:
-        """A verifier for one configuration (stop it with `stop` when its points are measured)."""
+    def verifier(self, w: Workload, setup: str, k: int, length: float | None, hit: HitRate = None,
+                 role: str = "") -> Service:
+        """A verifier for one configuration (stop it with `stop` when its points are measured); `role` names
+        its log apart from another of the same configuration."""
         argv = ["verifier", "--model", w.model, *self.devices.flag("verifier"),
                 "--k", str(0 if setup == "target_only" else k), "--max-slots", str(self.max_batch),
                 "--max-context", str(self.max_context)]
@@ -128,7 +137,7 @@ class Fleet:
                      "--cache-branches", "0" if hit == "off" else str(CACHE_BRANCHES),
                      "--drafting-epoch", str(DEFAULT_EPOCH_ROUNDS) if hit == "adaptive" else "0",
                      *(["--forced-hit-rate", str(hit)] if isinstance(hit, float) else []), *w.verifier_args]
-        service = self._start(f"verifier-{w.name}-{setup}-k{k}-L{length}-hit{hit}", argv)
+        service = self._start(f"verifier-{w.name}-{setup}{role}-k{k}-L{length}-hit{hit}", argv)
         if setup in TWO_PROCESSES and not wait_drafter_connected(service.port, 120):
             self.stop(service)
             raise RuntimeError(f"the verifier never connected to the drafter (logs: {self.logs})")

@@ -111,6 +111,22 @@ def test_greedy_outputs_are_compared_and_each_mismatch_located():
     assert parted["output_mismatches"] == [mismatch]
 
 
+def test_a_paired_point_is_compared_with_the_target_only_batches_run_between_its_own():
+    """--paired: speedup and output equality against the target-only batches alternated with the point's
+    (same prompts); the ratio to the run's target-only row stays beside it as speedup_unpaired."""
+    from bench_services import compare
+
+    base = {"setup": "target_only", "temperature": 0.0, "_outputs": [[1, 2], [3, 4]], "tokens_per_s": 10.0,
+            "round_ms": {"steps": 0}, "tokens": 4, "requests": 2}
+    row = base | {"setup": "two_gpus_socket", "tokens_per_s": 18.0, "_outputs": [[1, 2], [3, 5]],
+                  "paired_target": {"tokens_per_s": 12.0}, "_paired_outputs": [[1, 2], [3, 5]]}
+    got = compare(row, base, real_model=True)
+    assert got["speedup"] == pytest.approx(1.5) and got["speedup_unpaired"] == pytest.approx(1.8)
+    assert got["output_equal_rate"] == 1.0  # against the paired outputs, not the row's
+    alone = compare(row, None, real_model=True)  # no target-only row in the run
+    assert alone["speedup"] == pytest.approx(1.5) and alone["speedup_unpaired"] is None
+
+
 def test_the_ideal_speedup_from_engine_thread_and_from_device_time():
     """tau * t_target / t_verify as decode tokens per second of verification, against target-only's: from
     the engine thread's time, and (CUDA) from the device's."""
@@ -193,6 +209,41 @@ def test_the_harness_runs_the_setups_side_by_side_on_the_cpu(tmp_path):
     assert report["skipped"] == []
     for setup in ("colocated", "colocated_two_gpus"):  # the drafter in the verifier's process, serving tables
         assert rows[setup]["tokens"] == 48 and rows[setup]["cache"]["hit"] > 0
+
+
+def test_the_gpu_busy_share_keeps_no_samples_while_paused():
+    """A --paired point's target-only batches are left out of its GPUs' busy share."""
+    from gpu_busy import GpuBusy
+
+    class Smi:  # nvidia-smi's lines, as GpuBusy reads them from its process
+        stdout = ["0, 40\n", "1, 90\n"]
+
+    busy = GpuBusy([0])
+    with busy.paused():
+        busy._read_smi(Smi)
+    assert busy.samples[0] == []
+    busy._read_smi(Smi)
+    assert busy.samples == {0: [40.0]}
+
+
+def test_paired_points_alternate_with_a_target_only_verifier_beside_them(tmp_path):
+    """--paired on synthetic:tiny: the step-socket point's batches alternate with a second, target-only
+    verifier's of the same prompts, which the row reports; the GPUs' busy share (none on a CPU) aside."""
+    argv = [sys.executable, str(BENCH / "bench_services.py"), "--workloads", "synthetic", "--synthetic-shape",
+            "tiny", "--lengths", "2", "--hit-rates", "off", "--setups", "target_only,two_gpus_socket",
+            "--paired", "--batch-sizes", "2", "--temperatures", "0", "--sweep-ks", "", "--max-tokens", "12",
+            "--repeats", "3", "--min-requests", "2", "--drafter-device", "cpu", "--verifier-device", "cpu",
+            "--out-dir", str(tmp_path), "--tag", "p"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    report = json.loads((tmp_path / "services_tiny_synthetic_p.json").read_text())
+    rows = {r["setup"]: r for r in report["results"]}
+    spec, target = rows["two_gpus_socket"], rows["target_only"]
+    paired = spec["paired_target"]
+    assert paired["requests"] == spec["requests"] == 6 and paired["tokens"] == spec["tokens"] == 72
+    assert spec["speedup"] == pytest.approx(spec["tokens_per_s"] / paired["tokens_per_s"])
+    assert spec["speedup_unpaired"] == pytest.approx(spec["tokens_per_s"] / target["tokens_per_s"])
+    assert "paired_target" not in target and target["speedup"] == 1.0
 
 
 @pytest.mark.parametrize("mode", [[], ["--bare-grpc"], ["--step-socket"]])
