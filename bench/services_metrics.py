@@ -6,6 +6,7 @@ Families read (absent ones give None, so the bench runs against older or newer s
   specwire_drafter_rpc_latency_seconds (DraftStep sent to its result received), specwire_drafter_rpc_bytes
   {direction}, specwire_spec_cache_lookups{result="hit"|"miss"|"late"|"unasked"} (the speculation cache,
   when present), specwire_spec_cache_round{s,_seconds,_tokens}{mode} (its rounds by drafting mode);
+  specwire_verify_gpu_idle_seconds{waiting_for} (the device's idle time before a verification);
 - drafter: specwire_drafter_step_seconds (compute of one DraftStep).
 """
 
@@ -15,7 +16,7 @@ import urllib.request
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from specwire.metrics import DRAFTING_MODES, JUST_IN_TIME_RESULTS, LOOKUP_RESULTS
+from specwire.metrics import DRAFTING_MODES, IDLE_CAUSES, JUST_IN_TIME_RESULTS, LOOKUP_RESULTS
 
 Scrape = dict[str, float]  # 'name' or 'name{label="value",...}' -> value
 
@@ -59,7 +60,8 @@ def round_split(delta: Delta, wall: float) -> dict[str, float | None]:
     is less than one round trip where rounds send no step, as with drafts queued behind the sampler: the
     verifier's event loop and what the overlap did not hide; negative when drafting overlapped verification)
     and not_verify (wall - verify: everything on the critical path but the verification itself, whatever
-    overlapped)."""
+    overlapped); gpu_idle_launch and gpu_idle_drafts (the verifier's device idle before a verification,
+    waiting for its launch and for drafts written on the device; CUDA only)."""
     steps = delta.get("verifier", "specwire_verify_step_seconds_count")
     verify = delta.mean_ms("verifier", "specwire_verify_step_seconds")
     trip = delta.mean_ms("verifier", "specwire_drafter_rpc_latency_seconds")
@@ -73,6 +75,12 @@ def round_split(delta: Delta, wall: float) -> dict[str, float | None]:
     known = [v for v in (verify, trips_per_step) if v is not None]
     out["host"] = out["wall"] - sum(known) if out["wall"] is not None and known else None
     out["not_verify"] = out["wall"] - verify if out["wall"] is not None and verify is not None else None
+    # The verifier's device idle before each verification (CUDA, a drafter process or none), per verification
+    # measured: waiting for the round's launch, and for drafts written on the device.
+    measured = delta.get("verifier", "specwire_verify_gpu_seconds_count")
+    for cause in IDLE_CAUSES:
+        idle = delta.get("verifier", f'specwire_verify_gpu_idle_seconds_sum{{waiting_for="{cause}"}}')
+        out[f"gpu_idle_{cause}"] = 1e3 * idle / measured if idle is not None and measured else None
     return out
 
 

@@ -6,7 +6,9 @@ One row per point: setup, k, forced length, batch, load (a static batch or susta
 speedup over target-only and its ideal (tau * t_target / t_verify, from the engine thread's verification
 time and from its device time), mean acceptance length (rounds with drafts), tokens per verification (all
 rounds), TTFT p50, inter-chunk latency p50 / p99, a verification step's split (verify / draft / transport /
-host, ms), the prefill steps (how many, ms each), GPU busy shares and drafter-link bytes per step. Below it,
+host, ms), the verifier's device time a verification and its idle time before one (waiting for the launch,
+for drafts; CUDA, files since session 39), the prefill steps (how many, ms each), GPU busy shares and
+drafter-link bytes per step. Below it,
 for the points with a speculation cache, its rounds by drafting mode (tables, serial, none): how many, their
 mean time and the tokens each settled (files written since session 31).
 """
@@ -42,6 +44,8 @@ def row(r: dict) -> list[str]:
         fmt((r.get("ttft_ms") or {}).get("p50"), ".1f"),
         f"{fmt(itl.get('p50'), '.2f')} / {fmt(itl.get('p99'), '.2f')}",
         " / ".join(fmt(split.get(k), ".2f") for k in ("verify", "draft", "transport", "host")),
+        f"{fmt(split.get('verify_gpu'), '.2f')} / {fmt(split.get('gpu_idle_launch'), '.2f')} / "
+        f"{fmt(split.get('gpu_idle_drafts'), '.2f')}",
         f"{fmt(prefill.get('steps'), '.0f')} x {fmt(prefill.get('ms'), '.1f')}",
         " / ".join(fmt(v, ".0f", "%") for k, v in sorted(busy.items()) if k.startswith("gpu")) or "—",
         f"{fmt(wire.get('sent'), ',.0f')} / {fmt(wire.get('received'), ',.0f')}",
@@ -61,7 +65,7 @@ def tokens_per_verification(r: dict) -> float | None:
 HEADER = ["setup", "k", "L", "hit", "batch", "load", "tok/s", "speedup", "ideal: thread / gpu", "tau",
           "tok/verif.",
           "TTFT p50 ms", "ITL p50 / p99 ms", "step: verify / draft / transport / host ms",
-          "prefill steps x ms", "GPU busy",
+          "verifier GPU: verify / idle for launch / idle for drafts ms", "prefill steps x ms", "GPU busy",
           "bytes/step sent / recv"]
 
 

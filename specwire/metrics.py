@@ -60,6 +60,7 @@ E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.
 STEP_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0)
 
 FALLBACK_REASONS = ("down", "timeout", "bad_payload")
+IDLE_CAUSES = ("launch", "drafts")  # what a verifier's device waited for before a verification
 FINISH_REASONS = ("stop", "length", "abort", "error")
 STEP_MODES = ("cuda_graph", "eager")
 LOOKUP_RESULTS = ("hit", "miss", "late", "unasked")
@@ -99,8 +100,9 @@ class _ServiceMetrics:
     def _counter(self, name: str, doc: str, labels: Sequence[str] = ()) -> Counter:
         return Counter(f"{PREFIX}_{name}", doc, labels, registry=self.registry)
 
-    def _histogram(self, name: str, doc: str, buckets: Sequence[float]) -> Histogram:
-        return Histogram(f"{PREFIX}_{name}", doc, buckets=buckets, registry=self.registry)
+    def _histogram(self, name: str, doc: str, buckets: Sequence[float], labels: Sequence[str] = ()
+                   ) -> Histogram:
+        return Histogram(f"{PREFIX}_{name}", doc, labels, buckets=buckets, registry=self.registry)
 
     def _gauge(self, name: str, doc: str, labels: Sequence[str] = ()) -> Gauge:
         return Gauge(f"{PREFIX}_{name}", doc, labels, registry=self.registry)
@@ -183,6 +185,15 @@ class VerifierMetrics(_ServiceMetrics):
             "idle time while the host launches it.",
             STEP_BUCKETS,
         )
+        self.verify_gpu_idle = h(
+            "verify_gpu_idle_seconds",
+            "Device time idle before a verification, since the last one's sampler, when nothing else ran "
+            "between them (CUDA only; not with a co-located drafter), by what it waited for: launch (the "
+            "round not yet queued: the host's own work, or the host waiting for a drafter's answer) or "
+            "drafts (queued behind drafts a drafter process writes on this GPU).",
+            STEP_BUCKETS, ["waiting_for"],
+        )
+        self.gpu_idle = {cause: self.verify_gpu_idle.labels(waiting_for=cause) for cause in IDLE_CAUSES}
         self.prefill_step_time = h(
             "prefill_step_seconds",
             "Engine-thread time of one prefill step (forward, sampling, the features' hand-off); its count "

@@ -48,13 +48,17 @@ def test_round_split_cache_and_bytes_from_two_scrapes():
                           'specwire_spec_cache_round_tokens_total{mode="none"}': 80.0,
                           'specwire_spec_cache_rounds_total{mode="serial"}': 20.0,
                           'specwire_spec_cache_round_seconds_total{mode="serial"}': 0.1,
-                          'specwire_spec_cache_round_tokens_total{mode="serial"}': 50.0},
+                          'specwire_spec_cache_round_tokens_total{mode="serial"}': 50.0,
+                          # the device idle 0.5 ms before each verification for its launch; 0.2 ms for drafts
+                          'specwire_verify_gpu_idle_seconds_sum{waiting_for="launch"}': 0.05,
+                          'specwire_verify_gpu_idle_seconds_sum{waiting_for="drafts"}': 0.02},
              "drafter": {f"{draft}_count": 100, f"{draft}_sum": 0.05}}
     delta = Delta(before, after)
     split = round_split(delta, wall=0.5)  # 100 steps in 0.5 s
     assert split == pytest.approx({"steps": 100, "wall": 5.0, "verify": 2.0, "verify_gpu": 1.6,
                                    "drafter_round_trip": 1.5,
-                                   "draft": 0.5, "transport": 1.0, "host": 1.5, "not_verify": 3.0})
+                                   "draft": 0.5, "transport": 1.0, "host": 1.5, "not_verify": 3.0,
+                                   "gpu_idle_launch": 0.5, "gpu_idle_drafts": 0.2})
     # Drafts queued behind the sampler: only the 10 steps of new requests went to the drafter (2 ms each), so
     # the round trips take 0.2 ms a verification, not 2 ms
     queued = {"verifier": after["verifier"] | {f"{TRIP}_count": 20, f"{TRIP}_sum": 0.03}}

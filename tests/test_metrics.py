@@ -90,7 +90,8 @@ def test_registries_are_per_instance():
 OPERATIONS = Path(__file__).resolve().parents[1] / "docs" / "OPERATIONS.md"
 # The labels a metric may carry: each takes a handful of fixed values (positions up to k), never an id.
 # "result" is for the speculation cache's hit / miss / late lookups.
-BOUNDED_LABELS = {"mode", "direction", "reason", "finish_reason", "position", "code", "state", "result"}
+BOUNDED_LABELS = {"mode", "direction", "reason", "finish_reason", "position", "code", "state", "result",
+                  "waiting_for"}
 
 
 def _documented() -> dict[str, tuple[str, set[str], str]]:

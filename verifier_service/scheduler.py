@@ -53,7 +53,7 @@ from specwire.verifier.alignment import (
     read_result,
     read_tables,
 )
-from specwire.verifier.drafter_link import DrafterLink, HandshakeRefused, QueuedDrafts
+from specwire.verifier.drafter_link import DrafterLink, HandshakeRefused, LocalDrafterLink, QueuedDrafts
 from specwire.verifier.drafting_mode import MODES, QUEUED_MODES, DraftingMode
 from specwire.verifier.feature_store import FeatureStore
 from specwire.verifier.request_error import RequestError, in_flight_already
@@ -61,7 +61,6 @@ from specwire.verifier.request_error import RequestError, in_flight_already
 from specwire import round_trace
 from specwire.engine import TargetEngine
 from specwire.forced_acceptance import rates_tensor
-from specwire.gpu_span import GpuSpan
 from specwire.metrics import VerifierMetrics
 from specwire.sampling_params import SamplingParams
 from specwire.staging import Readback, read_back
@@ -69,6 +68,7 @@ from specwire.step_profiler import StepProfiler
 from specwire.tokenizer import IncrementalDetokenizer, Tokenizer
 from specwire.v1 import drafter_pb2 as dpb
 from specwire.v1 import generation_pb2 as gpb
+from specwire.verification_clock import VerificationClock
 from specwire.wire import FEATURE_DTYPES, PROTOCOL_VERSION, TORCH_DTYPE, as_numpy, encode_arrays
 
 log = logging.getLogger("specwire.verifier.scheduler")
@@ -301,8 +301,9 @@ class Scheduler:
         self._store: FeatureStore | None = None  # instead, for a drafter that takes tensors (co-located)
         # Recorded after each verification the loop launches on CUDA: the loop polls it (see _verify).
         self._verified = torch.cuda.Event() if self.engine.device.type == "cuda" else None
-        # The device time of each verification, its forward and sampler (specwire_verify_gpu_seconds).
-        self._verify_span = GpuSpan(self.engine.device)
+        # Each verification's device time and the device's idle time before it (specwire_verify_gpu_*); a
+        # co-located drafter's work runs between verifications, so no idle time is measured beside it.
+        self._clock = VerificationClock(self.engine.device, idle=not isinstance(link, LocalDrafterLink))
         # News for the scheduler (a request came or was aborted, the drafter connected, closing): wakes the
         # idle loop, and ends the worker's run of target-only rounds. Cleared at each turn of the loop.
         self._wake = asyncio.Event()
@@ -874,6 +875,7 @@ class Scheduler:
             return None
         self._queued_drafts = None
         self.metrics.drafts_read_on_device.inc()
+        self._clock.round_queued()  # the device may idle from here until the drafter's write: "drafts"
         ids = queued.on_device.read(rows, self.vocab_size)
         return BatchDrafts([[0] * k for _, k in rows], None, ids)
 
@@ -1016,6 +1018,7 @@ class Scheduler:
     @torch.inference_mode()
     def _prefill_on_worker(self, admitted: list[Request]) -> _Step:
         started = time.perf_counter()
+        self._clock.other_work()
         round_trace.mark("v.prefill", sum(len(r.prompt) for r in admitted))
         step = self._prefill_step(admitted)
         round_trace.mark("v.prefilled", len(admitted))
@@ -1063,8 +1066,8 @@ class Scheduler:
         started = time.perf_counter()
         round_trace.mark("v.verify", len(live))
         # Queued behind whatever this verification waits for on the stream (drafts queued behind the last
-        # sampler, their copy from the drafter's GPU): the span is the verification's own device time.
-        self._verify_span.begin()
+        # sampler, a drafter's write of them): from here on, the verification's own device time.
+        self._clock.verification_began()
         carry, self._carrying = self._carrying, []
         slots = [r.slot for r in live]
         starts = [len(r.tokens) - 1 for r in live]
@@ -1102,7 +1105,7 @@ class Scheduler:
                                                   cells, shape)
         try:
             sampled = self._sample(out.logits, [*live, *carry], sampling)
-            self._verify_span.end()
+            self._clock.verification_ended()
             round_trace.mark("v.sampler_queued")
             if announced:  # the tokens come back as soon as the sampler is done, while the drafts are drafted
                 self._tokens_back.start(sampled.packed)
@@ -1144,8 +1147,11 @@ class Scheduler:
                 features.append(rows[first:first + len(r.prompt)])
                 first += len(r.prompt)
         self.metrics.verify_step_time.observe(time.perf_counter() - launch.started)
-        if (gpu_seconds := self._verify_span.seconds()) is not None:  # done: the tokens came after it
-            self.metrics.verify_gpu_time.observe(gpu_seconds)
+        for times in self._clock.take():  # this verification's among them: its tokens came after it
+            self.metrics.verify_gpu_time.observe(times.verify_seconds)
+            for cause, seconds in (("launch", times.launch_seconds), ("drafts", times.drafts_seconds)):
+                if seconds is not None:
+                    self.metrics.gpu_idle[cause].observe(seconds)
         self._profiler.step()
         round_trace.mark("v.verify_end")
         return _Step(tokens, features, dtype, launch.queued, launch.wants, launch.carried)
