@@ -63,9 +63,8 @@ def open_table(message: pb.SharedFeatures, dtypes: tuple[torch.dtype, ...] = FEA
 
     device: this process's own GPU. Where it can reach the table's GPU directly (peer access: NVLink or
     PCIe), the table is mapped into its context and is a tensor on it, so every read and write of the table
-    is that GPU's work. Otherwise the table is a tensor on its own GPU, and copies from it run there in a
-    second context of this process, which takes turns with the verifier's on that GPU (time slices) and
-    which the driver stages through host memory for copies queued on `device` (session 39's profile)."""
+    is that GPU's work. Otherwise the table is a tensor on its own GPU, and copies from it run there, in a
+    second context of this process that takes turns with the verifier's on that GPU (time slices)."""
     dtype = TORCH_DTYPE.get(message.dtype)
     if dtype not in dtypes:
         raise WireError(f"shared features: dtype enum value {message.dtype} is not one of "
@@ -82,9 +81,10 @@ def open_table(message: pb.SharedFeatures, dtypes: tuple[torch.dtype, ...] = FEA
     if index is None:
         raise WireError(f"shared features: GPU {message.device_uuid} is not visible to this drafter "
                         f"(CUDA_VISIBLE_DEVICES)")
-    if device is not None and device.type == "cuda" and device.index != index \
-            and torch.cuda.can_device_access_peer(device.index, index):
-        index = device.index  # CUDA maps another GPU's memory into this one's context (peer access)
+    own = None if device is None or device.type != "cuda" else (
+        device.index if device.index is not None else torch.cuda.current_device())
+    if own is not None and own != index and torch.cuda.can_device_access_peer(own, index):
+        index = own  # CUDA maps another GPU's memory into this one's context (peer access)
     try:
         storage = torch.UntypedStorage._new_shared_cuda(
             index, message.memory_handle, message.storage_size_bytes, message.storage_offset_bytes,
