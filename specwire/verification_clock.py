@@ -43,6 +43,7 @@ class VerificationClock:
         self._queued: torch.cuda.Event | None = None
         self._current: _Round | None = None
         self._pending: deque[_Round] = deque()
+        self._spare: list[torch.cuda.Event] = []  # events of rounds taken, recorded again (none made a round)
 
     def round_queued(self) -> None:
         """The host queues the next round's first work now, before what it waits for (drafts on the GPU)."""
@@ -77,10 +78,12 @@ class VerificationClock:
                 launch = 1e-3 * r.previous_end.elapsed_time(launched)
                 drafts = None if r.queued is None else 1e-3 * r.queued.elapsed_time(r.began)
             out.append(RoundTimes(1e-3 * r.began.elapsed_time(r.ended), launch, drafts))
+            # read for the last time: its `ended` stays, the next round's previous_end
+            self._spare += [e for e in (r.previous_end, r.queued, r.began) if e is not None]
         return out
 
     def _record(self) -> torch.cuda.Event:
-        event = torch.cuda.Event(enable_timing=True)
+        event = self._spare.pop() if self._spare else torch.cuda.Event(enable_timing=True)
         with torch.cuda.device(self.device):
             event.record()
         return event
