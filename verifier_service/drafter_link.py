@@ -278,7 +278,9 @@ class DeviceDrafts:
         buffer is read as it is). Ids past the vocabulary (a faulty drafter's) become the last id: drafts
         only decide what is accepted, never what is emitted."""
         wait_value(self.slot, self.sequence, torch.cuda.current_stream(self.buffer.device))
+        round_trace.mark("v.value_waited")
         self.watch.watch(self.slot, self.sequence, self.timeout)
+        round_trace.mark("v.watched")
         return self.pick(self.buffer, rows, self.width, vocab_size)
 
     @staticmethod

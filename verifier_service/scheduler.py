@@ -388,6 +388,7 @@ class Scheduler:
 
     async def _run(self) -> None:
         while True:
+            round_trace.mark("v.loop")
             self._wake.clear()
             self._reap()
             self.metrics.num_requests_running.set(len(self.running))
@@ -520,6 +521,7 @@ class Scheduler:
     async def _verification_round(self, group: list[Request]) -> None:
         """One verification of the whole batch, with its drafts; then the new tokens are settled."""
         live = [r for r in group if r.live]
+        round_trace.mark("v.round")
         if not live:
             return
         if not self.speculating:
@@ -590,6 +592,7 @@ class Scheduler:
             rest = [r for r in [*live, *step.carried] if r.live and r.id not in queued]
             if rest or self._frees:
                 self._in_flight = self._send_step(rest, "serial")
+            round_trace.mark("v.rest_sent")
         elif caching:
             self._count_round(mode, live, step, time.perf_counter() - round_started)
             if self._drafting is not None and self._drafting.mode == "serial":
@@ -871,11 +874,13 @@ class Scheduler:
         if queued is None or queued.on_device is None:  # (the usual case: no list built a round for it)
             return None
         rows = queued.device_rows([r.id for r in live], [self._num_drafts(r) for r in live])
+        round_trace.mark("v.device_rows")
         if rows is None:
             return None
         self._queued_drafts = None
         self.metrics.drafts_read_on_device.inc()
         self._clock.round_queued()  # the device may idle from here until the drafter's write: "drafts"
+        round_trace.mark("v.clock_queued")
         ids = queued.on_device.read(rows, self.vocab_size)
         return BatchDrafts([[0] * k for _, k in rows], None, ids)
 
