@@ -217,6 +217,17 @@ def write_drafts(ids: torch.Tensor, counts: Sequence[int], drafts: torch.Tensor)
     ids.view(-1).index_copy_(0, upload(flat, ids.device), drafts)
 
 
+# A step's input: a numpy array, or a tensor (on the host is cheaper: a device one is read back first).
+StepInput = np.ndarray | torch.Tensor
+
+
+_TORCH_DTYPES = {np.int32: torch.int32, np.int64: torch.int64}
+
+
+def host_array(values: StepInput) -> np.ndarray:
+    return values if isinstance(values, np.ndarray) else values.cpu().numpy()
+
+
 # forward(input_ids [B, T], start_pos [B], num_tokens [B], slots [B], logits_index [B] or None): a captured
 # step's body (the target model, or the drafter's head), over static buffers.
 StepForward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], Any]
@@ -277,21 +288,20 @@ class StepGraphs:
                             torch.tensor(rows.starts, dtype=torch.int32))
         return self.replay(size)
 
-    def prepare(
-        self, slots: torch.Tensor, tokens: torch.Tensor, num_tokens: torch.Tensor, positions: torch.Tensor
-    ) -> int:
+    def prepare(self, slots: StepInput, tokens: StepInput, num_tokens: StepInput, positions: StepInput
+                ) -> int:
         """tokens [b, <= width] (row b's first num_tokens[b] are live): write the batch into the host block,
         pad it (pad rows -> trash slot) and start its copy to the static buffers; returns the graph size to
-        replay. Host tensors are cheapest (device ones are read back first)."""
+        replay. numpy arrays are cheapest, then host tensors (device ones are read back first)."""
         b, w = tokens.shape
         size = next(s for s in self.sizes if s >= b)
         self._inputs.wait_free()
         ids, start_pos, counts, slot_ids = list(self._inputs.host.values())[:4]
-        ids[:b, :w] = tokens.cpu().numpy()
+        ids[:b, :w] = host_array(tokens)
         ids[:b, w:] = 0
-        start_pos[:b] = positions.cpu().numpy()
-        counts[:b] = num_tokens.cpu().numpy()
-        slot_ids[:b] = slots.cpu().numpy()
+        start_pos[:b] = host_array(positions)
+        counts[:b] = host_array(num_tokens)
+        slot_ids[:b] = host_array(slots)
         ids[b:size], start_pos[b:size], counts[b:size], slot_ids[b:size] = 0, 0, 0, self.trash
         if self.last_logits:  # pad rows (0 tokens) point at their first cell
             index = self._inputs.host["logits_index"]
@@ -475,12 +485,11 @@ class TargetEngine:
     ) -> StepOutput:
         """One token per request: last_tokens[b] at absolute position positions[b] of slot slots[b].
         Replays a CUDA graph when the engine has them and the batch fits; eager otherwise."""
-        slots_t = self._step_input(slots, torch.int32)
-        tokens_t = self._step_input(last_tokens, torch.int64)
-        positions_t = self._step_input(positions, torch.int32)
+        slots_t = self._step_input(slots, np.int32)
+        tokens_t = self._step_input(last_tokens, np.int64)
+        positions_t = self._step_input(positions, np.int32)
         b = slots_t.shape[0]
-        ones = torch.ones(b, dtype=torch.int32)
-        out = self._step(slots_t, tokens_t[:, None], ones, positions_t)
+        out = self._step(slots_t, tokens_t[:, None], np.ones(b, dtype=np.int32), positions_t)
         aux = out.aux_hidden[:b, 0].clone() if out.aux_hidden is not None else None
         return StepOutput(out.logits[:b].clone(), out.hidden[:b, 0].clone(), aux)
 
@@ -521,10 +530,10 @@ class TargetEngine:
             row_counts, row_slots = counts + carried.counts, row_slots + carried.slots
             row_starts = row_starts + carried.starts
         out = self._step(
-            self._step_input(row_slots, torch.int32),
-            torch.from_numpy(ids),
-            torch.tensor(row_counts, dtype=torch.int32),
-            self._step_input(row_starts, torch.int32),
+            self._step_input(row_slots, np.int32),
+            ids,
+            np.array(row_counts, dtype=np.int32),
+            self._step_input(row_starts, np.int32),
             None if device_drafts is None
             else (counts, device_drafts.to(self.device, torch.int64, non_blocking=True)),
         )
@@ -568,11 +577,11 @@ class TargetEngine:
         return rows <= self.max_slots + self.carry_rows - batch
 
     def _step(
-        self, slots: torch.Tensor, tokens: torch.Tensor, num_tokens: torch.Tensor, positions: torch.Tensor,
+        self, slots: StepInput, tokens: StepInput, num_tokens: StepInput, positions: StepInput,
         on_device: tuple[list[int], torch.Tensor] | None = None,
     ) -> ModelOutput:
         """One decode/verify step: replays the narrowest CUDA graph that fits, else runs eagerly. Inputs are
-        best on the host: a graph sends them over in one copy, the eager path moves them. on_device:
+        best on the host, as numpy: a graph sends them over in one copy, the eager path moves them. on_device:
         (each row's token count, its drafts on the device) written over the rows' drafts once moved."""
         graphs = self.graphs_for(*tokens.shape)
         self.step_replayed_graph = graphs is not None
@@ -585,23 +594,26 @@ class TargetEngine:
             replayed = graphs.replay(size)
             round_trace.mark("e.replayed")
             return replayed
-        device = self.device
-        tokens = tokens.to(device)
+        def moved(values: StepInput) -> torch.Tensor:
+            return torch.as_tensor(values).to(self.device)
+
+        tokens = moved(tokens)
         if on_device is not None:
             write_drafts(tokens, *on_device)
-        return self.model(tokens, positions.to(device), num_tokens.to(device), slots.to(device),
-                          self.cache, aux_layers=self.aux_layers)
+        return self.model(tokens, moved(positions), moved(num_tokens), moved(slots), self.cache,
+                          aux_layers=self.aux_layers)
 
     def graphs_for(self, batch: int, width: int) -> StepGraphs | None:
         """The narrowest captured graph set that fits a step of batch x width tokens; None: eager."""
         return next((g for g in self.graphs if g.fits(batch, width)), None)
 
     @staticmethod
-    def _step_input(values: Sequence[int] | torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """A step input as a tensor of `dtype`, left where it is (lists become host tensors; see _step)."""
+    def _step_input(values: Sequence[int] | torch.Tensor, dtype: type) -> StepInput:
+        """A step input of numpy `dtype`: a tensor as a tensor of that dtype, left where it is; a list as a
+        numpy array (a torch tensor made from a list costs more host time, and the graphs read numpy)."""
         if isinstance(values, torch.Tensor):
-            return values.to(dtype=dtype)
-        return torch.tensor(values, dtype=dtype)
+            return values.to(dtype=_TORCH_DTYPES[dtype])
+        return np.array(values, dtype=dtype)
 
     # ------------------------------------------------------------------------------------------ generate
 

@@ -354,8 +354,11 @@ class QueuedDrafts:
         drafter that refused the step, or dropped a request, costs acceptance only)."""
         if self.on_device is None or self.answer is None:
             return None
-        at = {rid: i for i, rid in enumerate(self.request_ids)}
-        rows = [at.get(rid, -1) for rid in request_ids]
+        if request_ids == self.request_ids:  # the usual round: the same batch as the drafts were queued for
+            rows = list(range(len(request_ids)))
+        else:
+            at = {rid: i for i, rid in enumerate(self.request_ids)}
+            rows = [at.get(rid, -1) for rid in request_ids]
         if not rows or min(rows) < 0 or rows != sorted(rows):  # (a request is in a batch once)
             return None
         wants = [self.wants[row] for row in rows]
