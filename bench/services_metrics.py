@@ -77,10 +77,13 @@ def round_split(delta: Delta, wall: float) -> dict[str, float | None]:
     out["not_verify"] = out["wall"] - verify if out["wall"] is not None and verify is not None else None
     # The verifier's device idle before each verification (CUDA, a drafter process or none), per verification
     # measured: waiting for the round's launch, and for drafts written on the device.
+    # None where no gap was measured at all: beside a co-located drafter, whose work runs in the gaps.
     measured = delta.get("verifier", "specwire_verify_gpu_seconds_count")
+    gaps = any(delta.get("verifier", f'specwire_verify_gpu_idle_seconds_count{{waiting_for="{cause}"}}')
+               for cause in IDLE_CAUSES)
     for cause in IDLE_CAUSES:
         idle = delta.get("verifier", f'specwire_verify_gpu_idle_seconds_sum{{waiting_for="{cause}"}}')
-        out[f"gpu_idle_{cause}"] = 1e3 * idle / measured if idle is not None and measured else None
+        out[f"gpu_idle_{cause}"] = 1e3 * idle / measured if idle is not None and measured and gaps else None
     return out
 
 

@@ -51,7 +51,9 @@ def test_round_split_cache_and_bytes_from_two_scrapes():
                           'specwire_spec_cache_round_tokens_total{mode="serial"}': 50.0,
                           # the device idle 0.5 ms before each verification for its launch; 0.2 ms for drafts
                           'specwire_verify_gpu_idle_seconds_sum{waiting_for="launch"}': 0.05,
-                          'specwire_verify_gpu_idle_seconds_sum{waiting_for="drafts"}': 0.02},
+                          'specwire_verify_gpu_idle_seconds_sum{waiting_for="drafts"}': 0.02,
+                          'specwire_verify_gpu_idle_seconds_count{waiting_for="launch"}': 99.0,
+                          'specwire_verify_gpu_idle_seconds_count{waiting_for="drafts"}': 60.0},
              "drafter": {f"{draft}_count": 100, f"{draft}_sum": 0.05}}
     delta = Delta(before, after)
     split = round_split(delta, wall=0.5)  # 100 steps in 0.5 s
@@ -59,6 +61,12 @@ def test_round_split_cache_and_bytes_from_two_scrapes():
                                    "drafter_round_trip": 1.5,
                                    "draft": 0.5, "transport": 1.0, "host": 1.5, "not_verify": 3.0,
                                    "gpu_idle_launch": 0.5, "gpu_idle_drafts": 0.2})
+    # Beside a co-located drafter no gap is idle time: none measured, none shown (not 0)
+    colocated = {"verifier": after["verifier"] | {
+        f'specwire_verify_gpu_idle_seconds_{part}{{waiting_for="{cause}"}}': 0.0
+        for part in ("sum", "count") for cause in ("launch", "drafts")}}
+    got = round_split(Delta(before, colocated), wall=0.5)
+    assert got["gpu_idle_launch"] is None and got["gpu_idle_drafts"] is None and got["verify_gpu"] == 1.6
     # Drafts queued behind the sampler: only the 10 steps of new requests went to the drafter (2 ms each), so
     # the round trips take 0.2 ms a verification, not 2 ms
     queued = {"verifier": after["verifier"] | {f"{TRIP}_count": 20, f"{TRIP}_sum": 0.03}}
