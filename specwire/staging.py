@@ -55,7 +55,9 @@ class StagedInputs:
 
     def wait_free(self) -> None:
         """Returns once the host block may be written again (at once unless the last send is still going)."""
-        if self._copied is not None:
+        # Queried first: a query keeps the GIL, while synchronize gives it up even for an event long passed,
+        # and each give-up on a serving loop's thread may let another thread hold it for a switch interval.
+        if self._copied is not None and not self._copied.query():
             self._copied.synchronize()
 
     def send(self, last: str | None = None, rows: int = 0) -> None:
@@ -110,7 +112,7 @@ class Readback:
         return not self._copying or self._event.query()
 
     def wait(self) -> torch.Tensor:
-        if self._copying:
+        if self._copying and not self._event.query():  # (queried first: see StagedInputs.wait_free)
             self._event.synchronize()
         return self._host
 
