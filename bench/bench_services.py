@@ -34,10 +34,12 @@ drafts fed from the device) holds the device's wait for them, which the device t
 
 With --paired, a second verifier, target-only, runs beside the speculative ones for the whole run, and each
 speculative point's batches alternate with its batches of the same prompts (target-only first, then last,
-then first...): `speedup` and `output_equal_rate` are then against those (`paired_target`), measured seconds
-apart instead of minutes, so drift of the machine between configurations (target-only's own tokens/s moved
-by 10% and more between the sides of one A/B call, bench/results/session39/) cancels; `speedup_unpaired`
-keeps the ratio to the target-only row. Its batches are left out of the GPUs' busy share.
+then first...; under sustained load, target-only runs half the point's prompts before it and half after):
+`speedup` and `output_equal_rate` are then against those (`paired_target`), measured seconds apart instead
+of minutes, so drift of the machine between configurations (target-only's own tokens/s moved by 10% and more
+between the sides of one A/B call, bench/results/session39/; an A/A of one code read 1.54x and 0.93x at batch
+16, bench/results/session40/) cancels; `speedup_unpaired` keeps the ratio to the target-only row. Its
+requests are left out of the GPUs' busy share.
 
 Setups run in priority order until --budget-seconds have passed; the rest are listed as skipped. Results are
 written after every configuration, so a run cut short keeps what it measured.
@@ -164,8 +166,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--paired", action="store_true",
                    help="each speculative point's batches alternate with target-only batches of the same "
                         "prompts on a target-only verifier kept beside it (target first, then the other "
-                        "first, ...): `speedup` is over those, measured side by side minutes closer than the "
-                        "target-only row; `speedup_unpaired` keeps the ratio to that row (batch load only)")
+                        "first, ...; sustained: half the prompts before the point, half after): `speedup` is "
+                        "over those, measured minutes closer than the target-only row; `speedup_unpaired` "
+                        "keeps the ratio to that row")
     p.add_argument("--chunk-times", action="store_true",
                    help="write every request's chunk arrival times and sizes to chunks_TAG.jsonl (where ITL "
                         "goes)")
@@ -256,7 +259,7 @@ def measure(client: Client, port: int, metric_ports: dict[str, int | None], gpus
             ) -> list[dict]:
     """Rows of one running configuration: every (batch, temperature, load), after a short warm-up of each
     batch and temperature. Both loads send the same prompts in the same order. paired: the port of a
-    target-only verifier whose batches alternate with this one's (--paired; batch load)."""
+    target-only verifier whose requests alternate with this one's (--paired)."""
     for batch in batches:
         for temperature in args.temperatures:
             client.run_batch(port, prompts[:batch], 16, temperature)
@@ -273,21 +276,26 @@ def measure(client: Client, port: int, metric_ports: dict[str, int | None], gpus
                 before = {name: scrape(p) for name, p in metric_ports.items()}
                 wall, timings, target = 0.0, [], [0.0, []]  # target: a --paired point's (wall, timings)
                 with GpuBusy(gpus) as busy:
-                    target_batch = functools.partial(_paired_batch, client, paired,
+                    run_target = functools.partial(_paired_target, client, paired, load, batch,
                                                      max_tokens=args.max_tokens, temperature=temperature,
                                                      busy=busy, into=target)
                     if load == "sustained":
+                        half = (repeats // 2) * batch or len(chosen)  # target-only before and after it
+                        if paired is not None:
+                            run_target(chosen[:half])
                         wall, timings = client.run_sustained(port, chosen, batch, args.max_tokens,
                                                              temperature)
+                        if paired is not None and chosen[half:]:
+                            run_target(chosen[half:])
                     else:
                         for r in range(repeats):
                             sent = chosen[r * batch:(r + 1) * batch]
                             if paired is not None and r % 2 == 0:  # target-only first in even repeats
-                                target_batch(sent)
+                                run_target(sent)
                             seconds, got = client.run_batch(port, sent, args.max_tokens, temperature)
                             wall, timings = wall + seconds, timings + got
                             if paired is not None and r % 2 == 1:  # and last in odd ones
-                                target_batch(sent)
+                                run_target(sent)
                 delta = Delta(before, {name: scrape(p) for name, p in metric_ports.items()})
                 start = min(t.sent_at for t in timings)
                 paired_row = {} if not target[1] else {
@@ -314,12 +322,15 @@ def measure(client: Client, port: int, metric_ports: dict[str, int | None], gpus
     return rows
 
 
-def _paired_batch(client: Client, port: int, prompts: list[str], max_tokens: int, temperature: float,
-                  busy: GpuBusy, into: list) -> None:
-    """One target-only batch of a --paired point, added to `into` ([wall, timings]); the GPUs' busy share is
-    not sampled meanwhile."""
+def _paired_target(client: Client, port: int, load: str, batch: int, prompts: list[str], max_tokens: int,
+                   temperature: float, busy: GpuBusy, into: list) -> None:
+    """Target-only requests of a --paired point, one batch or (sustained) `batch` lanes of them, added to
+    `into` ([wall, timings]); the GPUs' busy share is not sampled meanwhile."""
     with busy.paused():
-        seconds, got = client.run_batch(port, prompts, max_tokens, temperature)
+        if load == "sustained":
+            seconds, got = client.run_sustained(port, prompts, batch, max_tokens, temperature)
+        else:
+            seconds, got = client.run_batch(port, prompts, max_tokens, temperature)
     into[0] += seconds
     into[1] += got
 

@@ -239,23 +239,25 @@ def test_the_gpu_busy_share_keeps_no_samples_while_paused():
 
 
 def test_paired_points_alternate_with_a_target_only_verifier_beside_them(tmp_path):
-    """--paired on synthetic:tiny: the step-socket point's batches alternate with a second, target-only
-    verifier's of the same prompts, which the row reports; the GPUs' busy share (none on a CPU) aside."""
+    """--paired on synthetic:tiny: the step-socket point's requests alternate with a second, target-only
+    verifier's of the same prompts (batches between its batches; under sustained load, half before and half
+    after), which the row reports; the GPUs' busy share (none on a CPU) aside."""
     argv = [sys.executable, str(BENCH / "bench_services.py"), "--workloads", "synthetic", "--synthetic-shape",
             "tiny", "--lengths", "2", "--hit-rates", "off", "--setups", "target_only,two_gpus_socket",
             "--paired", "--batch-sizes", "2", "--temperatures", "0", "--sweep-ks", "", "--max-tokens", "12",
-            "--repeats", "3", "--min-requests", "2", "--drafter-device", "cpu", "--verifier-device", "cpu",
-            "--out-dir", str(tmp_path), "--tag", "p"]
+            "--repeats", "3", "--min-requests", "2", "--loads", "batch,sustained", "--drafter-device", "cpu",
+            "--verifier-device", "cpu", "--out-dir", str(tmp_path), "--tag", "p"]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     report = json.loads((tmp_path / "services_tiny_synthetic_p.json").read_text())
-    rows = {r["setup"]: r for r in report["results"]}
-    spec, target = rows["two_gpus_socket"], rows["target_only"]
-    paired = spec["paired_target"]
-    assert paired["requests"] == spec["requests"] == 6 and paired["tokens"] == spec["tokens"] == 72
-    assert spec["speedup"] == pytest.approx(spec["tokens_per_s"] / paired["tokens_per_s"])
-    assert spec["speedup_unpaired"] == pytest.approx(spec["tokens_per_s"] / target["tokens_per_s"])
-    assert "paired_target" not in target and target["speedup"] == 1.0
+    rows = {(r["setup"], r["load"]): r for r in report["results"]}
+    for load in ("batch", "sustained"):
+        spec, target = rows["two_gpus_socket", load], rows["target_only", load]
+        paired = spec["paired_target"]
+        assert paired["requests"] == spec["requests"] == 6 and paired["tokens"] == spec["tokens"] == 72
+        assert spec["speedup"] == pytest.approx(spec["tokens_per_s"] / paired["tokens_per_s"])
+        assert spec["speedup_unpaired"] == pytest.approx(spec["tokens_per_s"] / target["tokens_per_s"])
+        assert "paired_target" not in target and target["speedup"] == 1.0
 
 
 @pytest.mark.parametrize("mode", [[], ["--bare-grpc"], ["--step-socket"]])
