@@ -62,7 +62,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from gpu_busy import GpuBusy  # bench/ modules: scripts run as `python bench/<name>.py`
-from services_client import Client, read_prompts, summarize
+from services_client import Client, RequestTiming, read_prompts, summarize
 from services_metrics import (
     Delta,
     cache_hit_rate,
@@ -275,16 +275,15 @@ def measure(client: Client, port: int, metric_ports: dict[str, int | None], gpus
                 chosen = [prompts[i % len(prompts)] for i in range(repeats * batch)]
                 before = {name: scrape(p) for name, p in metric_ports.items()}
                 wall, timings, target = 0.0, [], [0.0, []]  # target: a --paired point's (wall, timings)
+                send = functools.partial(_send, client, load=load, batch=batch, max_tokens=args.max_tokens,
+                                         temperature=temperature)
                 with GpuBusy(gpus) as busy:
-                    run_target = functools.partial(_paired_target, client, paired, load, batch,
-                                                     max_tokens=args.max_tokens, temperature=temperature,
-                                                     busy=busy, into=target)
+                    run_target = functools.partial(_paired_target, send, paired, busy=busy, into=target)
                     if load == "sustained":
                         half = (repeats // 2) * batch or len(chosen)  # target-only before and after it
                         if paired is not None:
                             run_target(chosen[:half])
-                        wall, timings = client.run_sustained(port, chosen, batch, args.max_tokens,
-                                                             temperature)
+                        wall, timings = send(port, chosen)
                         if paired is not None and chosen[half:]:
                             run_target(chosen[half:])
                     else:
@@ -292,7 +291,7 @@ def measure(client: Client, port: int, metric_ports: dict[str, int | None], gpus
                             sent = chosen[r * batch:(r + 1) * batch]
                             if paired is not None and r % 2 == 0:  # target-only first in even repeats
                                 run_target(sent)
-                            seconds, got = client.run_batch(port, sent, args.max_tokens, temperature)
+                            seconds, got = send(port, sent)
                             wall, timings = wall + seconds, timings + got
                             if paired is not None and r % 2 == 1:  # and last in odd ones
                                 run_target(sent)
@@ -322,15 +321,21 @@ def measure(client: Client, port: int, metric_ports: dict[str, int | None], gpus
     return rows
 
 
-def _paired_target(client: Client, port: int, load: str, batch: int, prompts: list[str], max_tokens: int,
-                   temperature: float, busy: GpuBusy, into: list) -> None:
-    """Target-only requests of a --paired point, one batch or (sustained) `batch` lanes of them, added to
-    `into` ([wall, timings]); the GPUs' busy share is not sampled meanwhile."""
+def _send(client: Client, port: int, prompts: list[str], load: str, batch: int, max_tokens: int,
+          temperature: float) -> tuple[float, list[RequestTiming]]:
+    """(wall seconds, timings) of `prompts` sent to a verifier under `load`: all at once (batch), or in
+    `batch` lanes (sustained)."""
+    if load == "sustained":
+        return client.run_sustained(port, prompts, batch, max_tokens, temperature)
+    return client.run_batch(port, prompts, max_tokens, temperature)
+
+
+def _paired_target(send: Callable[[int, list[str]], tuple[float, list[RequestTiming]]], port: int,
+                   prompts: list[str], busy: GpuBusy, into: list) -> None:
+    """Target-only requests of a --paired point, sent as the point's are (`send`), added to `into` ([wall,
+    timings]); the GPUs' busy share is not sampled meanwhile."""
     with busy.paused():
-        if load == "sustained":
-            seconds, got = client.run_sustained(port, prompts, batch, max_tokens, temperature)
-        else:
-            seconds, got = client.run_batch(port, prompts, max_tokens, temperature)
+        seconds, got = send(port, prompts)
     into[0] += seconds
     into[1] += got
 
