@@ -29,6 +29,7 @@ from specwire.kernels.rejection_sampler_ref import (
 )
 
 from specwire import round_trace
+from specwire.staging import TORCH_DTYPES, HostArray, host_array
 
 try:  # CPU-only installs may lack Triton; they run the reference.
     from specwire.kernels.rejection_sampler_triton import launch
@@ -39,17 +40,13 @@ __all__ = ["DraftProbs", "SampleOutput", "SamplerInputError", "prepare_batch", "
 
 Backend = Literal["auto", "triton", "torch"]
 
-HostColumn = torch.Tensor | np.ndarray  # a per-request column, or the draft ids, on the host
-
-# numpy dtypes of the parts the host sends, as torch dtypes (the device views of the staged copy)
-_TORCH_DTYPES = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32,
-                 np.dtype(np.float32): torch.float32}
+HostColumn = HostArray  # a per-request column, or the draft ids, on the host
 
 
 def _column(name: str, t: HostColumn, B: int, dtype: type) -> np.ndarray:
     if tuple(t.shape) != (B,):
         raise SamplerInputError(f"{name} has shape {tuple(t.shape)}, expected ({B},)")
-    return _host(t).astype(dtype, copy=False)
+    return host_array(t).astype(dtype, copy=False)
 
 
 def _fail_if_any(message: str, bad_values: list) -> None:
@@ -150,7 +147,7 @@ def prepare_batch(
     if num_drafts.ndim != 1:
         raise SamplerInputError(f"num_drafts must be 1-D, got shape {list(num_drafts.shape)}")
     B = num_drafts.shape[0]
-    nd = _host(num_drafts).astype(np.int64)
+    nd = host_array(num_drafts).astype(np.int64)
     ks = nd.tolist()
     _fail_if_any("num_drafts must be >= 0", [k for k in ks if k < 0])
     D = sum(ks)
@@ -201,10 +198,6 @@ def prepare_batch(
     )
 
 
-def _host(t: HostColumn) -> np.ndarray:
-    return t if isinstance(t, np.ndarray) else t.detach().cpu().numpy()
-
-
 def _is_float(t: HostColumn) -> bool:
     return t.dtype.kind == "f" if isinstance(t, np.ndarray) else t.dtype.is_floating_point
 
@@ -235,7 +228,7 @@ def _to_device(parts: list[torch.Tensor | np.ndarray | None], device: torch.devi
             moved[i] = (torch.from_numpy(t) if isinstance(t, np.ndarray) else t).to(device)
     if not host:
         return moved
-    arrays = [np.ascontiguousarray(_host(parts[i])) for i in host]
+    arrays = [np.ascontiguousarray(host_array(parts[i])) for i in host]
     # Every part starts 16-byte aligned: Triton compiles a kernel per pattern of pointer alignments, and
     # offsets that moved with the batch's shape would make a new pattern (a compile) out of a new batch.
     offsets, end = [], 0
@@ -248,7 +241,7 @@ def _to_device(parts: list[torch.Tensor | np.ndarray | None], device: torch.devi
         block[offset:offset + a.nbytes] = a.reshape(-1).view(np.uint8)
     on_device = staging.to(device, non_blocking=True)
     for i, a, offset in zip(host, arrays, offsets, strict=True):
-        moved[i] = on_device[offset:offset + a.nbytes].view(_TORCH_DTYPES[a.dtype]).view(a.shape)
+        moved[i] = on_device[offset:offset + a.nbytes].view(TORCH_DTYPES[a.dtype]).view(a.shape)
     return moved
 
 

@@ -22,7 +22,7 @@ from specwire.kernels.rejection_sampler import rejection_sample
 from specwire.model import KVCache, LlamaModel, ModelOutput
 from specwire.model_source import load_model
 from specwire.sampling_params import SamplingParams
-from specwire.staging import StagedInputs, upload
+from specwire.staging import TORCH_DTYPES, HostArray, StagedInputs, host_array, upload
 from specwire.tokenizer import IncrementalDetokenizer, Tokenizer
 
 DTYPES = {
@@ -217,17 +217,6 @@ def write_drafts(ids: torch.Tensor, counts: Sequence[int], drafts: torch.Tensor)
     ids.view(-1).index_copy_(0, upload(flat, ids.device), drafts)
 
 
-# A step's input: a numpy array, or a tensor (on the host is cheaper: a device one is read back first).
-StepInput = np.ndarray | torch.Tensor
-
-
-_TORCH_DTYPES = {np.int32: torch.int32, np.int64: torch.int64}
-
-
-def host_array(values: StepInput) -> np.ndarray:
-    return values if isinstance(values, np.ndarray) else values.cpu().numpy()
-
-
 # forward(input_ids [B, T], start_pos [B], num_tokens [B], slots [B], logits_index [B] or None): a captured
 # step's body (the target model, or the drafter's head), over static buffers.
 StepForward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], Any]
@@ -288,7 +277,7 @@ class StepGraphs:
                             torch.tensor(rows.starts, dtype=torch.int32))
         return self.replay(size)
 
-    def prepare(self, slots: StepInput, tokens: StepInput, num_tokens: StepInput, positions: StepInput
+    def prepare(self, slots: HostArray, tokens: HostArray, num_tokens: HostArray, positions: HostArray
                 ) -> int:
         """tokens [b, <= width] (row b's first num_tokens[b] are live): write the batch into the host block,
         pad it (pad rows -> trash slot) and start its copy to the static buffers; returns the graph size to
@@ -577,7 +566,7 @@ class TargetEngine:
         return rows <= self.max_slots + self.carry_rows - batch
 
     def _step(
-        self, slots: StepInput, tokens: StepInput, num_tokens: StepInput, positions: StepInput,
+        self, slots: HostArray, tokens: HostArray, num_tokens: HostArray, positions: HostArray,
         on_device: tuple[list[int], torch.Tensor] | None = None,
     ) -> ModelOutput:
         """One decode/verify step: replays the narrowest CUDA graph that fits, else runs eagerly. Inputs are
@@ -594,7 +583,7 @@ class TargetEngine:
             replayed = graphs.replay(size)
             round_trace.mark("e.replayed")
             return replayed
-        def moved(values: StepInput) -> torch.Tensor:
+        def moved(values: HostArray) -> torch.Tensor:
             return torch.as_tensor(values).to(self.device)
 
         tokens = moved(tokens)
@@ -608,11 +597,11 @@ class TargetEngine:
         return next((g for g in self.graphs if g.fits(batch, width)), None)
 
     @staticmethod
-    def _step_input(values: Sequence[int] | torch.Tensor, dtype: type) -> StepInput:
+    def _step_input(values: Sequence[int] | torch.Tensor, dtype: type) -> HostArray:
         """A step input of numpy `dtype`: a tensor as a tensor of that dtype, left where it is; a list as a
         numpy array (a torch tensor made from a list costs more host time, and the graphs read numpy)."""
         if isinstance(values, torch.Tensor):
-            return values.to(dtype=_TORCH_DTYPES[dtype])
+            return values.to(dtype=TORCH_DTYPES[np.dtype(dtype)])
         return np.array(values, dtype=dtype)
 
     # ------------------------------------------------------------------------------------------ generate

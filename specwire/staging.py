@@ -24,6 +24,15 @@ from specwire.wire import as_numpy
 
 _ALIGN = 16  # bytes: every view starts aligned, as kernels (Triton's especially) like their pointers
 
+HostArray = np.ndarray | torch.Tensor  # host input: numpy, or a tensor (a device one is read back first)
+TORCH_DTYPES = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32,
+                np.dtype(np.float32): torch.float32}  # numpy's twins of the dtypes inputs come in
+
+
+def host_array(values: HostArray) -> np.ndarray:
+    """`values` as a numpy array: itself, or a tensor's memory (read back from a device first)."""
+    return values if isinstance(values, np.ndarray) else values.detach().cpu().numpy()
+
 
 class StagedInputs:
     """Named device tensors (`tensors`) and numpy views of the same bytes of the host mirror (`host`).
@@ -112,7 +121,7 @@ class Readback:
         return not self._copying or self._event.query()
 
     def wait(self) -> torch.Tensor:
-        if self._copying and not self._event.query():  # (queried first: see StagedInputs.wait_free)
+        if not self.ready():  # (queried first: see StagedInputs.wait_free)
             self._event.synchronize()
         return self._host
 
