@@ -28,7 +28,6 @@ from specwire.drafter.train_eagle import code_commit
 from specwire.kernels.rejection_sampler import rejection_sample
 from specwire.verifier.cli import parse_aux_layers
 from specwire.verifier.feature_store import FeatureStore
-from specwire.verifier.scheduler import Scheduler
 
 from specwire.engine import PREFILL_ROW, TargetEngine, prefill_rows
 from specwire.model_source import load_model
@@ -85,8 +84,8 @@ def measure(args: argparse.Namespace, prompts: list[list[int]], speculating: boo
         def step_with_store() -> None:
             out = engine.prefill(requests)
             greedy_tokens(out.logits)
-            store.write(Scheduler._feature_table(out.hidden, out.aux_hidden),
-                        [s for s, p in requests for _ in p], [i for _, p in requests for i in range(len(p))])
+            store.write(out.hidden, out.aux_hidden, [s for s, p in requests for _ in p],
+                        [i for _, p in requests for i in range(len(p))])
             store.ready()
 
         row["step_with_store_ms"] = timed(step_with_store, args.repeats, device)

@@ -36,25 +36,50 @@ def _column_key(columns: slice | np.ndarray) -> slice | tuple[int, ...]:
     return columns if isinstance(columns, slice) else tuple(columns.tolist())
 
 
+def feature_table(hidden: torch.Tensor, aux: torch.Tensor | None) -> torch.Tensor:
+    """Per token: the final normed hidden state, then the aux taps (the drafter picks its columns)."""
+    return hidden if aux is None else torch.cat([hidden, aux], dim=-1)
+
+
+def _pick(hidden: torch.Tensor, aux: torch.Tensor | None, columns: slice | torch.Tensor,
+          span: tuple[int, int], n: int) -> torch.Tensor:
+    """feature_table(hidden, aux)[:n, columns], whose indices lie in [span[0], span[1]), without building
+    the table where they lie in one of its parts: an EAGLE-3 head takes only the aux taps, and the
+    concatenation cost 13% of a launch's host time (py-spy, bench/results/session12_h200x2/)."""
+    H = hidden.shape[-1]
+    part, first = (hidden, 0) if span[1] <= H else (aux, H) if aux is not None and span[0] >= H else (None, 0)
+    if part is None:
+        part = feature_table(hidden[:n], None if aux is None else aux[:n])
+    if isinstance(columns, slice):
+        return part[:n, columns.start - first:columns.stop - first]
+    return part[:n].index_select(1, (columns - first).to(part.device))
+
+
 class FeatureStore:
     def __init__(self, slots: int, max_context: int, columns: slice | np.ndarray, width: int,
                  dtype: torch.dtype, device: torch.device, source: torch.device | None = None):
         """columns: the feature table's columns the drafter asked for (`width` of them); source: the device
         the tables come from (the target's), when it is another GPU than `device`."""
         self.rows = torch.empty(slots, max_context, width, dtype=dtype, device=device)
-        self._columns = columns if isinstance(columns, slice) else torch.as_tensor(columns)
+        if isinstance(columns, slice):
+            assert columns.step in (None, 1) and columns.stop is not None, "columns: a contiguous slice"
+            columns = slice(columns.start or 0, columns.stop)
+            self._columns, self._span = columns, (columns.start, columns.stop)
+        else:
+            self._columns = torch.as_tensor(columns)
+            self._span = (int(columns.min()), int(columns.max()) + 1)
         self._picked = _column_key(columns)
         device = torch.device(device)
         crossing = device.type == "cuda" and source is not None and torch.device(source) != device
         self._stream = torch.cuda.Stream(device) if crossing else None
         self._written = torch.cuda.Event() if crossing else None
 
-    def write(self, table: torch.Tensor, slots: list[int], positions: list[int]) -> None:
-        """rows[slots[i], positions[i]] = the picked columns of table row i, for every i. Queued on both
-        devices' streams without a wait; `table` may be overwritten by whatever is queued after."""
-        n = len(slots)
-        picked = table[:n, self._columns] if isinstance(self._columns, slice) else (
-            table[:n].index_select(1, self._columns.to(table.device)))
+    def write(self, hidden: torch.Tensor, aux: torch.Tensor | None, slots: list[int], positions: list[int]
+              ) -> None:
+        """rows[slots[i], positions[i]] = the picked columns of feature_table(hidden, aux) row i, for every i.
+        Queued on both devices' streams without a wait; the inputs may be overwritten by whatever is queued
+        after."""
+        picked = _pick(hidden, aux, self._columns, self._span, len(slots))
         # One copy of flat indices and one index_copy_: an index_put_ over (slot, position) pairs cost about
         # twice the host time (py-spy, SmolLM2 co-located at batch 16, bench/results/session36/).
         cells = np.asarray(slots, dtype=np.int64) * self.rows.shape[1] + np.asarray(positions, dtype=np.int64)

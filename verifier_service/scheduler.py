@@ -55,7 +55,7 @@ from specwire.verifier.alignment import (
 )
 from specwire.verifier.drafter_link import DrafterLink, HandshakeRefused, LocalDrafterLink, QueuedDrafts
 from specwire.verifier.drafting_mode import MODES, QUEUED_MODES, DraftingMode
-from specwire.verifier.feature_store import FeatureStore
+from specwire.verifier.feature_store import FeatureStore, feature_table
 from specwire.verifier.request_error import RequestError, in_flight_already
 
 from specwire import round_trace
@@ -1037,13 +1037,12 @@ class Scheduler:
         none = BatchDrafts([[] for _ in admitted], None)
         store = self._store  # the loop may replace it meanwhile (a new drafter stream): this step keeps one
         if store is not None:  # before the sampler, whose tokens read back mean the rows are written
-            store.write(self._feature_table(out.hidden, out.aux_hidden),
-                        [r.slot for r in admitted for _ in r.prompt],
+            store.write(out.hidden, out.aux_hidden, [r.slot for r in admitted for _ in r.prompt],
                         [i for r in admitted for i in range(len(r.prompt))])
         tokens = self._sample(out.logits, admitted, none).token_lists()
         if self.link is None or store is not None:
             return _Step(tokens, None)
-        table = read_back(self._feature_table(out.hidden, out.aux_hidden))
+        table = read_back(feature_table(out.hidden, out.aux_hidden))
         rows, first, features = as_numpy(table), 0, []
         for r in admitted:
             features.append(rows[first:first + len(r.prompt)])
@@ -1084,34 +1083,37 @@ class Scheduler:
             out = self.engine.decode(slots, [r.tokens[-1] for r in live], starts)
         round_trace.mark("v.forward_launched")
         self.metrics.forward_steps_by_mode["cuda_graph" if self.engine.step_replayed_graph else "eager"].inc()
-        # Every fed row's features start towards the drafter now, overlapping the sampler: into the store
-        # (rows of rejected drafts are rewritten next round), or to the host, where the settled rows are
-        # picked once the sampler has said how many there are.
+        sampling = batch if not carry else BatchDrafts(  # a carried prompt's last token: a row without drafts
+            [*batch.token_ids, *([] for _ in carry)], batch.probs, batch.on_device)
+        # The sampler is queued right behind the forward: the device runs it while the host writes features
+        # and tells the drafter (session 40's round marks: that host work outlasted the forward, and the
+        # device waited for the sampler's launch).
+        sampled = self._sample(out.logits, [*live, *carry], sampling)
+        self._clock.verification_ended()
+        round_trace.mark("v.sampler_queued")
+        # Every fed row's features start towards the drafter now: into the store (rows of rejected drafts are
+        # rewritten next round), or to the host, where the settled rows are picked once the sampler has said
+        # how many there are. Either way before the tokens' readback: a row goes to a drafter once the host
+        # has the tokens that settle it.
         store = self._store  # the loop may replace it meanwhile (a new drafter stream): this launch keeps one
         if store is not None:
             fed = [*zip(live, starts, batch.num_drafts, strict=True),
                    *((r, 0, len(r.prompt) - 1) for r in carry)]  # a prompt: as a row of len - 1 drafts
-            store.write(self._feature_table(out.hidden, out.aux_hidden),
-                        [r.slot for r, _, k in fed for _ in range(k + 1)],
+            store.write(out.hidden, out.aux_hidden, [r.slot for r, _, k in fed for _ in range(k + 1)],
                         [start + j for _, start, k in fed for j in range(k + 1)])
         elif self.link is not None:
-            self._readback.start(self._feature_table(out.hidden, out.aux_hidden))
+            self._readback.start(feature_table(out.hidden, out.aux_hidden))
         round_trace.mark("v.forward_queued")
-        sampling = batch if not carry else BatchDrafts(  # a carried prompt's last token: a row without drafts
-            [*batch.token_ids, *([] for _ in carry)], batch.probs, batch.on_device)
         queue, wants = list(queue), [self._want_for(live[i], self._num_drafts(live[i])) for i in queue]
         round_trace.mark("v.wants")
         announced = settled = False
-        if queue:  # told while the forward runs: a drafter's GPU then waits for the sampler's output
-            T = self.link.info.max_num_drafts + 1
-            cells = [c for i in queue for c in store.cells(live[i].slot, starts[i], T)]
-            shape = (len(live) + len(carry), max(sampling.num_drafts, default=0) + 2)  # the sampler's packed
-            announced = self.link.announce_drafts([live[i].id for i in queue], wants, queue, store.flat,
-                                                  cells, shape)
         try:
-            sampled = self._sample(out.logits, [*live, *carry], sampling)
-            self._clock.verification_ended()
-            round_trace.mark("v.sampler_queued")
+            if queue:  # a drafter's GPU waits for the sampler's output, already queued
+                T = self.link.info.max_num_drafts + 1
+                cells = [c for i in queue for c in store.cells(live[i].slot, starts[i], T)]
+                shape = (len(live) + len(carry), max(sampling.num_drafts, default=0) + 2)  # sampler packed
+                announced = self.link.announce_drafts([live[i].id for i in queue], wants, queue, store.flat,
+                                                      cells, shape)
             if announced:  # the tokens come back as soon as the sampler is done, while the drafts are drafted
                 self._tokens_back.start(sampled.packed)
                 store.ready()
@@ -1179,11 +1181,6 @@ class Scheduler:
             synthetic_acceptance=rates_tensor(self.config.forced_acceptance),
             defer_check=True,  # no wait for the device until the one copy back, which also checks
         )
-
-    @staticmethod
-    def _feature_table(hidden: torch.Tensor, aux: torch.Tensor | None) -> torch.Tensor:
-        """Per token: the final normed hidden state, then the aux taps (the drafter picks its columns)."""
-        return hidden if aux is None else torch.cat([hidden, aux], dim=-1)
 
     # ------------------------------------------------------------------------------------------ drafter
 
