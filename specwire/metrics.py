@@ -250,7 +250,12 @@ class VerifierMetrics(_ServiceMetrics):
         self.drafts_read_on_device = c(
             "queued_drafts_read_on_device",
             "Verifications that read a drafter process's queued drafts on this GPU, behind the drafter's GPU "
-            "writing them, instead of waiting for its answer (greedy batches of unchanged requests).",
+            "writing them, instead of waiting for its answer (greedy rows; rows new since join beside them).",
+        )
+        self.rows_sat_out = c(
+            "queued_drafts_sat_out",
+            "Rows of a serial step (new requests, mostly) that sat a verification out, their drafts not in, "
+            "while the rest of the batch read its queued drafts on this GPU; one per request and round.",
         )
         self.requests_rejected = c(
             "requests_rejected", "Requests refused before they were queued, by error code.", ["code"]

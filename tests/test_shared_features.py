@@ -502,13 +502,14 @@ class _DraftsOnTheHost(drafter_link.DeviceDrafts):
         return self.pick(self.buffer, rows, self.width, vocab_size)
 
 
-def test_greedy_output_is_the_targets_whatever_the_drafts_read_on_the_device(in_process_mapping, monkeypatch):
-    """The scheduler's path for drafts read on the device (Scheduler._drafts_on_device, the answer awaited
-    after the round), through a real gRPC drafter that queues behind the sampler, with the GPU's wait
-    swapped out and garbage in the buffer (ids out of the vocabulary too, which must be clamped): greedy
-    output must be target-only's, the device reads must have happened, also with rows cut to their room (the
-    requests end at different rounds), and every request must end."""
-    config, sd, head, engine, proposer, _ = recording_drafter("cpu", "cpu", 0, 0)
+def _device_read_drafter(monkeypatch, carry_rows: int = 0):
+    """A real gRPC drafter that queues behind the sampler, and a verifier engine whose queued drafts are
+    'read on the device' (Scheduler._drafts_on_device and _beside_device_drafts) from a buffer of garbage
+    (ids out of the vocabulary too, which must be clamped), the GPU's wait swapped out. Returns (engine,
+    run): run(link_factory or None, metrics, submits) serves the submits (prompt, max_tokens, after: the
+    tokens request 0 has when it is submitted) on a scheduler, speculating over the link if one is made, and
+    returns each request's tokens."""
+    config, sd, head, engine, proposer, _ = recording_drafter("cpu", "cpu", 0, carry_rows)
     service = drafter_service(proposer, config)
     says_it_maps(service)
     service.info.queues_drafts = True
@@ -522,11 +523,9 @@ def test_greedy_output_is_the_targets_whatever_the_drafts_read_on_the_device(in_
         return queued
 
     monkeypatch.setattr(DrafterLink, "take_drafts", take_with_device_drafts)
-    g = torch.Generator().manual_seed(11)
-    prompts = [torch.randint(3, 30_000, (int(n),), generator=g).tolist() for n in (6, 19, 11)]
-    lengths = [LONG, LONG - 6, LONG - 3]  # requests end at different rounds
+    _DraftsOnTheHost.reads = []
 
-    async def run(link: DrafterLink | None, metrics: VerifierMetrics) -> list[list[int]]:
+    async def serve(link: DrafterLink | None, metrics: VerifierMetrics, submits) -> list[list[int]]:
         scheduler = Scheduler(engine, synthetic_tokenizer(config), metrics,
                               SchedulerConfig(num_speculative_tokens=K if link else 0, cache_branches=0,
                                               queue_drafts=True), link)
@@ -534,9 +533,12 @@ def test_greedy_output_is_the_targets_whatever_the_drafts_read_on_the_device(in_
         try:
             while link is not None and not link.connected:
                 await asyncio.sleep(0.01)
-            requests = [scheduler.submit(p, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True),
-                                         request_id=str(i))
-                        for i, (p, n) in enumerate(zip(prompts, lengths, strict=True))]
+            requests = []
+            for i, (prompt, max_tokens, after) in enumerate(submits):
+                while requests and len(requests[0].tokens) < len(submits[0][0]) + after:
+                    await asyncio.sleep(0.001)
+                requests.append(scheduler.submit(prompt, SamplingParams(
+                    temperature=0.0, max_tokens=max_tokens, ignore_eos=True), request_id=str(i)))
             for r in requests:
                 while (await r.outputs.get()).finish_reason is None:
                     pass
@@ -544,18 +546,62 @@ def test_greedy_output_is_the_targets_whatever_the_drafts_read_on_the_device(in_
         finally:
             await scheduler.close()
 
-    async def speculative(metrics: VerifierMetrics) -> list[list[int]]:
+    async def run(speculating: bool, metrics: VerifierMetrics, submits) -> list[list[int]]:
+        if not speculating:
+            return await serve(None, metrics, submits)
         async with serving(service) as target:
-            return await run(DrafterLink(target, metrics, step_timeout=5.0, share_from=engine.device,
-                                         drafts_on_device=True), metrics)
+            return await serve(DrafterLink(target, metrics, step_timeout=5.0, share_from=engine.device,
+                                           drafts_on_device=True), metrics, submits)
 
+    return config, run
+
+
+def _chat_prompts(lengths: tuple[int, ...]) -> list[list[int]]:
+    g = torch.Generator().manual_seed(11)
+    return [torch.randint(3, 30_000, (int(n),), generator=g).tolist() for n in lengths]
+
+
+def test_greedy_output_is_the_targets_whatever_the_drafts_read_on_the_device(in_process_mapping, monkeypatch):
+    """The scheduler's path for drafts read on the device (Scheduler._drafts_on_device, the answer awaited
+    after the round), through a real gRPC drafter that queues behind the sampler, with the GPU's wait
+    swapped out and garbage in the buffer: greedy output must be target-only's, the device reads must have
+    happened, also with rows cut to their room (the requests end at different rounds), and every request
+    must end."""
+    _, run = _device_read_drafter(monkeypatch)
+    prompts = _chat_prompts((6, 19, 11))
+    lengths = [LONG, LONG - 6, LONG - 3]  # requests end at different rounds
+    submits = [(p, n, 0) for p, n in zip(prompts, lengths, strict=True)]
     metrics = VerifierMetrics()
-    outputs = asyncio.run(speculative(metrics))
+    outputs = asyncio.run(run(True, metrics, submits))
     assert metrics.registry.get_sample_value("specwire_queued_drafts_read_on_device_total") > 10
-    assert outputs == asyncio.run(run(None, VerifierMetrics()))
+    assert outputs == asyncio.run(run(False, VerifierMetrics(), submits))
     assert [len(t) - len(p) for t, p in zip(outputs, prompts, strict=True)] == lengths
     reads = _DraftsOnTheHost.reads
     assert any(n < K for rows in reads for _, n in rows), "no read of rows cut to their room"
+
+
+@pytest.mark.parametrize("carry_rows", [0, 32], ids=["prefill steps", "prompts carried"])
+def test_requests_joining_a_batch_that_reads_its_drafts_on_the_device_keep_greedy_output(
+        in_process_mapping, monkeypatch, carry_rows):
+    """Requests arrive while others' drafts are read on the device (_beside_device_drafts): the others keep
+    reading theirs there, a new request verifies without drafts (after a prefill step) or sits a round out
+    until its own step's answer is in, then joins with that answer's drafts beside the garbage read on the
+    device. Greedy output must be target-only's, every arrival must have sat out, and no round after the
+    first request's first ones may wait for the drafter's answer instead of reading on the device."""
+    _, run = _device_read_drafter(monkeypatch, carry_rows)
+    prompts = _chat_prompts((6, 19, 11, 8))
+    submits = [(prompts[0], LONG, 0), (prompts[1], 60, 10), (prompts[2], 40, 25), (prompts[3], 30, 40)]
+    metrics = VerifierMetrics()
+    outputs = asyncio.run(run(True, metrics, submits))
+    assert outputs == asyncio.run(run(False, VerifierMetrics(), submits))
+    assert [len(t) - len(p) for t, p in zip(outputs, prompts, strict=True)] == [n for _, n, _ in submits]
+    sample = metrics.registry.get_sample_value
+    assert (sample("specwire_prompts_carried_total") > 0) == (carry_rows > 0)
+    assert sample("specwire_queued_drafts_sat_out_total") >= len(submits) - 1, "every arrival sits out once"
+    # Only the first request's first rounds (nothing queued yet) wait for the drafter's answer: before
+    # _beside_device_drafts each arrival made one more (two after a prefill step): 9 and 6 here.
+    verifications = sample("specwire_verify_step_seconds_count")
+    assert verifications - sample("specwire_queued_drafts_read_on_device_total") <= 3
 
 
 def _greedy_outputs(port: int, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
@@ -628,6 +674,26 @@ def test_a_drafter_process_queued_behind_the_sampler_gives_target_only_greedy_ou
         assert _greedy_outputs(verifier.port, prompts, 48) == _greedy_outputs(target.port, prompts, 48)
         assert _counter(metrics_port, "specwire_queued_drafts_total") > 0, verifier.log.read_text()[-2000:]
         assert _counter(metrics_port, "specwire_queued_drafts_read_on_device_total") > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_requests_arriving_while_drafts_are_read_on_the_gpu_give_target_only_greedy_output(tmp_path):
+    """Requests arrive one after another while the earlier ones' drafts are read on the verifier's GPU: each
+    new one sits a round out, then joins with its own step's drafts, uploaded beside those read on the GPU
+    (_beside_device_drafts). Every request's greedy output must equal a target-only verifier's."""
+    with _queued_processes(tmp_path) as (_, verifier, target, metrics_port):
+        prompts = _prompts((5, 17, 40, 9, 23, 12))
+        with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+            streams = []
+            for prompt in prompts:
+                streams.append(pool.submit(_greedy_outputs, verifier.port, [prompt], 160))
+                time.sleep(0.03)
+            outputs = [stream.result(timeout=120)[0] for stream in streams]
+        assert outputs == _greedy_outputs(target.port, prompts, 160)
+        for counter in ("queued_drafts_sat_out", "queued_drafts_read_on_device"):
+            counter = f"specwire_{counter}_total"
+            assert _counter(metrics_port, counter) > 0, (counter, verifier.log.read_text()[-2000:])
 
 
 @pytest.mark.gpu

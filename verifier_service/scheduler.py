@@ -63,7 +63,7 @@ from specwire.engine import TargetEngine
 from specwire.forced_acceptance import rates_tensor
 from specwire.metrics import VerifierMetrics
 from specwire.sampling_params import SamplingParams
-from specwire.staging import Readback, read_back
+from specwire.staging import Readback, read_back, upload
 from specwire.step_profiler import StepProfiler
 from specwire.tokenizer import IncrementalDetokenizer, Tokenizer
 from specwire.v1 import drafter_pb2 as dpb
@@ -270,6 +270,7 @@ class Scheduler:
         self.draining = False
         self._frees: list[str] = []  # requests the drafter knows that left the batch
         self._in_flight: tuple[asyncio.Future, dict[str, Want]] | None = None  # serial mode's sent step
+        self._sitting_out = False  # its rows sat the last round out (_beside_device_drafts)
         self._queued_drafts: QueuedDrafts | None = None  # serial mode's, queued behind the last sampler
         # Whether serial drafts may be queued behind the sampler where the link can (a remote link can once
         # its drafter maps the features): asked for, or by default where the link says so and features
@@ -557,6 +558,8 @@ class Scheduler:
         else:
             sent, self._in_flight, pending = self._in_flight, None, self._queued_drafts
             batch = self._drafts_on_device(live) if sent is None else None
+            if batch is None:
+                live, batch = await self._beside_device_drafts(live, sent)
             round_trace.mark("v.device_drafts")
             arriving = pending if batch is not None else None
             if batch is None:
@@ -590,7 +593,7 @@ class Scheduler:
             round_trace.mark("v.arrived")
         if self.speculating and not caching:  # carried prompts go to the drafter with the others
             rest = [r for r in [*live, *step.carried] if r.live and r.id not in queued]
-            if rest or self._frees:
+            if (rest or self._frees) and self._in_flight is None:  # (else told with the next step)
                 self._in_flight = self._send_step(rest, "serial")
             round_trace.mark("v.rest_sent")
         elif caching:
@@ -883,6 +886,44 @@ class Scheduler:
         round_trace.mark("v.clock_queued")
         ids = queued.on_device.read(rows, self.vocab_size)
         return BatchDrafts([[0] * k for _, k in rows], None, ids)
+
+    async def _beside_device_drafts(self, live: list[Request], sent: tuple[asyncio.Future, dict] | None
+                                    ) -> tuple[list[Request], BatchDrafts | None]:
+        """A round with drafts queued behind the last sampler for some of its rows only: the others are new
+        to the drafter (their prompts rode the last verification or a prefill step) or were left out, and a
+        serial step may be out for them. Rather than make every row wait for the answers, the queued rows read
+        their drafts on the device, and the step's rows join them with its answer's drafts once it is in;
+        until then they sit the round out (one round at most: the step stays in flight). Rows of neither
+        verify without drafts. Returns the round's rows, those read on the device first, and their drafts;
+        or (live, None): every row waits for the answers, as when the step asked for sampled drafts (their q
+        would travel beside ids read on the device) or its rows sat out a round already."""
+        queued, (future, wants) = self._queued_drafts, sent or (None, {})
+        answered = future is None or future.done()
+        sat_out, self._sitting_out = self._sitting_out, False
+        if (sat_out and not answered) or queued is None or queued.on_device is None or any(
+                w.temperature > 0 for w in wants.values()):
+            return live, None
+        on_device = {rid: i for i, rid in enumerate(queued.request_ids)}
+        reading = sorted((r for r in live if r.id in on_device), key=lambda r: on_device[r.id])
+        others = [r for r in live if r.id not in on_device and (answered or r.id not in wants)]
+        ready = self._drafts_on_device(reading) if reading else None
+        if ready is None:
+            return live, None
+        drafts: dict[str, Drafts] = {}
+        if future is not None and answered:
+            result = await self.link.result(future)  # in already: returns without a loop turn
+            drafts = {} if result is None else self._read_drafts(result, wants)
+        elif future is not None:
+            self._in_flight, self._sitting_out = sent, True
+            self.metrics.rows_sat_out.inc(len(live) - len(reading) - len(others))
+        joining = [_cut(drafts[r.id], self._num_drafts(r)).token_ids if r.id in drafts else []
+                   for r in others]
+        ids = ready.on_device
+        if any(joining):  # greedy rows: their ids are all the sampler takes of them
+            flat = torch.tensor([t for row in joining for t in row], dtype=ids.dtype)
+            ids = torch.cat([ids, upload(flat, ids.device)])
+        rows = [*ready.token_ids, *([0] * len(row) for row in joining)]
+        return reading + others, BatchDrafts(rows, None, ids)
 
     def _take_queued_drafts(self, live: list[Request], step: _Step) -> set[str]:
         """The drafts queued behind this round's sampler, kept for the next round where the drafter left
@@ -1232,7 +1273,7 @@ class Scheduler:
         for r in self.running:
             r.next_drafts = r.next_branch = None
         self._frees.clear()
-        self._in_flight = None
+        self._in_flight, self._sitting_out = None, False
         self._queued_drafts = None
         if self._drafting is not None and (modes := self._drafting_modes()) != self._drafting.modes:
             self._drafting = DraftingMode(self.config.drafting_epoch, modes=modes)
