@@ -45,7 +45,8 @@ def _pick(hidden: torch.Tensor, aux: torch.Tensor | None, columns: slice | torch
           span: tuple[int, int], n: int) -> torch.Tensor:
     """feature_table(hidden, aux)[:n, columns], whose indices lie in [span[0], span[1]), without building
     the table where they lie in one of its parts: an EAGLE-3 head takes only the aux taps, and the
-    concatenation cost 13% of a launch's host time (py-spy, bench/results/session12_h200x2/)."""
+    concatenation took 13% of the engine thread's time a verification (py-spy,
+    bench/results/session12_h200x2/)."""
     H = hidden.shape[-1]
     part, first = (hidden, 0) if span[1] <= H else (aux, H) if aux is not None and span[0] >= H else (None, 0)
     if part is None:
