@@ -217,6 +217,17 @@ def write_drafts(ids: torch.Tensor, counts: Sequence[int], drafts: torch.Tensor)
     ids.view(-1).index_copy_(0, upload(flat, ids.device), drafts)
 
 
+def follow_sampler(ids: torch.Tensor, positions: torch.Tensor, packed: torch.Tensor, vocab_size: int) -> None:
+    """Rows that continue where a sampler left them, set on the device without a wait for the host:
+    ids[b, 0] = the last token the sampler emitted for row b and positions[b] += how many it emitted
+    (packed [B, 2 + k]: count, then the tokens, as SampleOutput holds them). Clamped, so that a row the
+    sampler marked bad (count -1, which fails that round on the host) feeds a valid id."""
+    rows = packed.shape[0]
+    count = packed[:, :1].clamp(1, packed.shape[1] - 1)
+    ids[:rows, :1].copy_(packed.gather(1, count).clamp_(0, vocab_size - 1))
+    positions[:rows].add_(count.view(-1).to(positions.dtype))
+
+
 # forward(input_ids [B, T], start_pos [B], num_tokens [B], slots [B], logits_index [B] or None): a captured
 # step's body (the target model, or the drafter's head), over static buffers.
 StepForward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], Any]
@@ -486,6 +497,7 @@ class TargetEngine:
     def verify(
         self, slots: Sequence[int], token_lists: Sequence[Sequence[int]], start_positions: Sequence[int],
         device_drafts: torch.Tensor | None = None, prompts: Sequence[tuple[int, Sequence[int]]] = (),
+        follow: torch.Tensor | None = None,
     ) -> StepOutput:
         """Row b feeds token_lists[b] = [last token, d_1..d_k] at start_positions[b]...; returns logits,
         hidden and aux for every fed token, rows concatenated: [sum(1 + k_b), ...]. device_drafts: every
@@ -497,10 +509,17 @@ class TargetEngine:
         prompts [(slot, token ids)]: whole prompts prefilled by the same forward, from position 0, in rows of
         carry_width tokens after the verification's (one weight read for both: a lone prompt's prefill costs
         a forward of its own). Their logits follow the verification's, one per prompt at its last token, and
-        their hidden and aux rows follow, every prompt token in order."""
+        their hidden and aux rows follow, every prompt token in order.
+
+        follow: a sampler's output on this device ([B, 2 + k], SampleOutput.packed) for these rows, whose
+        tokens the host has not read yet: row b starts with the last token it emitted (token_lists[b][0] is
+        then a placeholder), at start_positions[b] advanced by their count (follow_sampler)."""
         counts = [len(t) for t in token_lists]
         if not counts or min(counts) < 1:
             raise ValueError("verify needs at least one token per row")
+        if follow is not None and (follow.shape[0] != len(counts) or prompts):
+            raise ValueError(f"follow must have a row per verified row ({len(counts)}) and no prompts "
+                             f"beside, got {list(follow.shape)} and {len(prompts)} prompts")
         if device_drafts is None:
             for tokens in token_lists:
                 self.check_token_ids(tokens)
@@ -525,6 +544,7 @@ class TargetEngine:
             self._step_input(row_starts, np.int32),
             None if device_drafts is None
             else (counts, device_drafts.to(self.device, torch.int64, non_blocking=True)),
+            follow,
         )
         # Graph outputs have the captured grid's row stride; eager ones the batch's own. When every row is
         # full (and nothing is carried) the fed tokens lead the grid, and a slice (cloned: graph buffers are
@@ -567,16 +587,19 @@ class TargetEngine:
 
     def _step(
         self, slots: HostArray, tokens: HostArray, num_tokens: HostArray, positions: HostArray,
-        on_device: tuple[list[int], torch.Tensor] | None = None,
+        on_device: tuple[list[int], torch.Tensor] | None = None, follow: torch.Tensor | None = None,
     ) -> ModelOutput:
         """One decode/verify step: replays the narrowest CUDA graph that fits, else runs eagerly. Inputs are
         best on the host, as numpy: a graph sends them over in one copy, the eager path moves them. on_device:
-        (each row's token count, its drafts on the device) written over the rows' drafts once moved."""
+        (each row's token count, its drafts on the device) written over the rows' drafts once moved; follow:
+        a sampler's output the rows continue from (verify)."""
         graphs = self.graphs_for(*tokens.shape)
         self.step_replayed_graph = graphs is not None
         if graphs is not None:
             size = graphs.prepare(slots, tokens, num_tokens, positions)
             round_trace.mark("e.prepared")
+            if follow is not None:  # queued behind prepare's copy, as the drafts are
+                follow_sampler(graphs.input_ids, graphs.start_pos, follow, self.config.vocab_size)
             if on_device is not None:  # queued behind prepare's copy of the host's ids
                 write_drafts(graphs.input_ids, *on_device)
                 round_trace.mark("e.drafts_written")
@@ -586,10 +609,12 @@ class TargetEngine:
         def moved(values: HostArray) -> torch.Tensor:
             return torch.as_tensor(values).to(self.device)
 
-        tokens = moved(tokens)
+        tokens, positions = moved(tokens), moved(positions)
+        if follow is not None:
+            follow_sampler(tokens, positions, follow, self.config.vocab_size)
         if on_device is not None:
             write_drafts(tokens, *on_device)
-        return self.model(tokens, moved(positions), moved(num_tokens), moved(slots), self.cache,
+        return self.model(tokens, positions, moved(num_tokens), moved(slots), self.cache,
                           aux_layers=self.aux_layers)
 
     def graphs_for(self, batch: int, width: int) -> StepGraphs | None:

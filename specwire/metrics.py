@@ -252,6 +252,11 @@ class VerifierMetrics(_ServiceMetrics):
             "Verifications that read a drafter process's queued drafts on this GPU, behind the drafter's GPU "
             "writing them, instead of waiting for its answer (greedy rows; rows new since join beside them).",
         )
+        self.launched_ahead = c(
+            "verifications_launched_ahead",
+            "Verifications whose forward was queued on this GPU right behind the last one's launch, before "
+            "its tokens reached the host: the steady state of a greedy batch reading its queued drafts here.",
+        )
         self.rows_sat_out = c(
             "queued_drafts_sat_out",
             "Rows of a serial step (new requests, mostly) that sat a verification out, their drafts not in, "

@@ -107,3 +107,29 @@ def test_drafts_already_on_the_device_feed_as_the_host_rows_do(cuda_graphs):
         assert not torch.equal(engine.verify(slots, placeholders, starts).logits, host.logits)  # fed them
     with pytest.raises(ValueError, match="device_drafts must be"):
         engine.verify(slots, placeholders, starts, device_drafts=drafts[:-1])
+
+
+@pytest.mark.parametrize("cuda_graphs", [False, pytest.param(True, marks=[pytest.mark.gpu, gpu])])
+def test_rows_that_follow_a_sampler_on_the_device_feed_as_the_host_rows_do(cuda_graphs):
+    """verify(follow=packed): each row starts with the last token a sampler emitted for it, at its start
+    advanced by their count, both read from the sampler's output on the device (the launch that does not wait
+    for the host to read the tokens); the step equals the one fed the same rows from the host. A row the
+    sampler marked bad (count -1) feeds a valid id rather than an index error."""
+    device = "cuda" if cuda_graphs else "cpu"
+    engine, _, _ = full_row_verify(device, cuda_graphs=cuda_graphs)
+    slots, starts = [0, 1, 3], [14, 19, 0]
+    emitted = [[40, 41, 42], [43], [44, 45, 46, 47, 48]]  # accepted drafts + one token, per row
+    packed = torch.full((3, 6), -1, dtype=torch.int64)
+    for b, tokens in enumerate(emitted):
+        packed[b, 0], packed[b, 1:1 + len(tokens)] = len(tokens), torch.tensor(tokens)
+    drafts = [[5, 6, 7, 8], [9, 10, 11, 12], [13, 14, 15, 16]]
+    host = engine.verify(slots, [[t[-1], *d] for t, d in zip(emitted, drafts, strict=True)],
+                         [s + len(t) for s, t in zip(starts, emitted, strict=True)])
+    on_device = torch.tensor([t for d in drafts for t in d], device=device)
+    fed = engine.verify(slots, [[0] * 5] * 3, starts, device_drafts=on_device, follow=packed.to(device))
+    assert torch.equal(fed.logits, host.logits) and torch.equal(fed.hidden, host.hidden)
+    packed[1, 0] = -1
+    bad = engine.verify(slots, [[0] * 5] * 3, starts, device_drafts=on_device, follow=packed.to(device))
+    assert torch.equal(bad.logits[:5], host.logits[:5]) and torch.isfinite(bad.logits).all()
+    with pytest.raises(ValueError, match="follow must have a row per verified row"):
+        engine.verify(slots, [[0] * 5] * 3, starts, device_drafts=on_device, follow=packed[:2].to(device))

@@ -508,7 +508,8 @@ def _device_read_drafter(monkeypatch, carry_rows: int = 0):
     (ids out of the vocabulary too, which must be clamped), the GPU's wait swapped out. Returns (engine,
     run): run(link_factory or None, metrics, submits) serves the submits (prompt, max_tokens, after: the
     tokens request 0 has when it is submitted) on a scheduler, speculating over the link if one is made, and
-    returns each request's tokens."""
+    returns each request's tokens; aborts {i: n}: request i is aborted once it has n output tokens;
+    launch_ahead: SchedulerConfig's."""
     config, sd, head, engine, proposer, _ = recording_drafter("cpu", "cpu", 0, carry_rows)
     service = drafter_service(proposer, config)
     says_it_maps(service)
@@ -525,10 +526,11 @@ def _device_read_drafter(monkeypatch, carry_rows: int = 0):
     monkeypatch.setattr(DrafterLink, "take_drafts", take_with_device_drafts)
     _DraftsOnTheHost.reads = []
 
-    async def serve(link: DrafterLink | None, metrics: VerifierMetrics, submits) -> list[list[int]]:
+    async def serve(link: DrafterLink | None, metrics: VerifierMetrics, submits, aborts: dict[int, int],
+                    launch_ahead: bool) -> list[list[int]]:
         scheduler = Scheduler(engine, synthetic_tokenizer(config), metrics,
                               SchedulerConfig(num_speculative_tokens=K if link else 0, cache_branches=0,
-                                              queue_drafts=True), link)
+                                              queue_drafts=True, launch_ahead=launch_ahead), link)
         scheduler.start()
         try:
             while link is not None and not link.connected:
@@ -539,6 +541,11 @@ def _device_read_drafter(monkeypatch, carry_rows: int = 0):
                     await asyncio.sleep(0.001)
                 requests.append(scheduler.submit(prompt, SamplingParams(
                     temperature=0.0, max_tokens=max_tokens, ignore_eos=True), request_id=str(i)))
+            while aborts and any(r.live for r in requests):
+                for i, n in aborts.items():
+                    if len(requests[i].tokens) - len(requests[i].prompt) >= n:
+                        scheduler.abort(requests[i].id)
+                await asyncio.sleep(0)
             for r in requests:
                 while (await r.outputs.get()).finish_reason is None:
                     pass
@@ -546,12 +553,14 @@ def _device_read_drafter(monkeypatch, carry_rows: int = 0):
         finally:
             await scheduler.close()
 
-    async def run(speculating: bool, metrics: VerifierMetrics, submits) -> list[list[int]]:
+    async def run(speculating: bool, metrics: VerifierMetrics, submits, aborts: dict[int, int] | None = None,
+                  launch_ahead: bool = True) -> list[list[int]]:
         if not speculating:
-            return await serve(None, metrics, submits)
+            return await serve(None, metrics, submits, aborts or {}, launch_ahead)
         async with serving(service) as target:
-            return await serve(DrafterLink(target, metrics, step_timeout=5.0, share_from=engine.device,
-                                           drafts_on_device=True), metrics, submits)
+            link = DrafterLink(target, metrics, step_timeout=5.0, share_from=engine.device,
+                               drafts_on_device=True)
+            return await serve(link, metrics, submits, aborts or {}, launch_ahead)
 
     return config, run
 
@@ -578,6 +587,33 @@ def test_greedy_output_is_the_targets_whatever_the_drafts_read_on_the_device(in_
     assert [len(t) - len(p) for t, p in zip(outputs, prompts, strict=True)] == lengths
     reads = _DraftsOnTheHost.reads
     assert any(n < K for rows in reads for _, n in rows), "no read of rows cut to their room"
+
+
+def test_rounds_launched_before_the_tokens_are_back_keep_greedy_output(in_process_mapping, monkeypatch):
+    """Scheduler._launch_ahead: in the steady state of a batch reading its drafts on the device, each round's
+    forward is launched before the last round's tokens are back, its first tokens and positions taken from
+    that round's sampler output. Greedy output must be target-only's, with requests that end at different
+    rounds (a row near its length limit is launched as usual) and one aborted mid-run (its row is verified
+    once more, for nothing, its output a prefix of target-only's); most rounds must have been launched
+    ahead, and none must be with --launch-ahead off."""
+    _, run = _device_read_drafter(monkeypatch)
+    prompts = _chat_prompts((6, 19, 11))
+    n = 60
+    submits = [(prompts[0], n, 0), (prompts[1], n - 7, 0), (prompts[2], n, 0)]
+    reference = asyncio.run(run(False, VerifierMetrics(), submits))
+    metrics = VerifierMetrics()
+    outputs = asyncio.run(run(True, metrics, submits, aborts={2: 25}))
+    assert outputs[:2] == reference[:2]
+    aborted = outputs[2][len(prompts[2]):]
+    assert 25 <= len(aborted) < n and outputs[2] == reference[2][:len(outputs[2])]
+    sample = metrics.registry.get_sample_value
+    ahead = sample("specwire_verifications_launched_ahead_total")
+    assert ahead >= 0.5 * sample("specwire_verify_step_seconds_count"), "few rounds launched ahead"
+
+    metrics, short = VerifierMetrics(), [(p, 20, 0) for p, _, _ in submits[:2]]
+    outputs = asyncio.run(run(True, metrics, short, launch_ahead=False))
+    assert outputs == [r[:len(p) + 20] for r, (p, _, _) in zip(reference, short, strict=False)]
+    assert metrics.registry.get_sample_value("specwire_verifications_launched_ahead_total") == 0
 
 
 @pytest.mark.parametrize("carry_rows", [0, 32], ids=["prefill steps", "prompts carried"])
@@ -669,12 +705,14 @@ def test_a_drafter_process_queued_behind_the_sampler_gives_target_only_greedy_ou
     """With --queue-drafts on, the drafter maps the verifier's sampler output and waits on its GPU for the
     verifier's number, and returns its drafts into the verifier's memory, where the next verification reads
     them behind the drafter's number (the CUDA side the CPU tests above swap out). Greedy output must equal a
-    target-only verifier's, and the verifier must have queued drafts and read them on its GPU."""
+    target-only verifier's, and the verifier must have queued drafts, read them on its GPU and launched
+    rounds before the last one's tokens were back (Scheduler._launch_ahead)."""
     with _queued_processes(tmp_path) as (_, verifier, target, metrics_port):
         prompts = _prompts((5, 17, 40, 9))
         assert _greedy_outputs(verifier.port, prompts, 48) == _greedy_outputs(target.port, prompts, 48)
         assert _counter(metrics_port, "specwire_queued_drafts_total") > 0, verifier.log.read_text()[-2000:]
         assert _counter(metrics_port, "specwire_queued_drafts_read_on_device_total") > 0
+        assert _counter(metrics_port, "specwire_verifications_launched_ahead_total") > 0
 
 
 @pytest.mark.gpu

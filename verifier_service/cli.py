@@ -98,6 +98,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "also writes them into this verifier's GPU memory, and the next verification of "
                              "a greedy batch of the same requests reads them there instead of waiting for "
                              "the answer (default on; off: always wait for the answer)")
+    parser.add_argument("--launch-ahead", choices=("on", "off"), default=env("SPECWIRE_LAUNCH_AHEAD", "on"),
+                        help="with drafts read on this GPU: queue each round's forward right behind the last "
+                             "round's launch, fed from that round's sampler on the GPU, before its tokens "
+                             "reach the host (default on; off: launch it once they are settled)")
     parser.add_argument("--stream-interval", type=int, default=env("SPECWIRE_STREAM_INTERVAL", 1),
                         metavar="TOKENS",
                         help="tokens a stream's chunk gathers before it is sent; a request's first token and "
@@ -190,6 +194,9 @@ def check_flags(args: argparse.Namespace) -> None:
         raise ValueError("--drafter-socket needs --drafter HOST:PORT (the handshake goes over gRPC)")
     if args.queue_drafts not in ("auto", "on", "off"):  # argparse leaves a default (SPECWIRE_*) unchecked
         raise ValueError(f"--queue-drafts must be auto, on or off, got {args.queue_drafts!r}")
+    for flag in ("drafts_on_device", "launch_ahead"):
+        if getattr(args, flag) not in ("on", "off"):
+            raise ValueError(f"--{flag.replace('_', '-')} must be on or off, got {getattr(args, flag)!r}")
     if args.cache_branches is None:
         args.cache_branches = 0 if args.colocated else 8
     if args.cache_branches < 0:
@@ -251,7 +258,8 @@ async def serve(args: argparse.Namespace) -> None:
                                   forced_hit_rate=args.forced_hit_rate,
                                   stream_interval=args.stream_interval,
                                   admit_wait=args.admit_wait_ms / 1e3,
-                                  queue_drafts={"on": True, "off": False}.get(args.queue_drafts)),
+                                  queue_drafts={"on": True, "off": False}.get(args.queue_drafts),
+                                  launch_ahead=args.launch_ahead == "on"),
     )
 
     async def load() -> tuple[TargetEngine, Tokenizer, LocalDrafterLink | None, str]:

@@ -59,7 +59,7 @@ from specwire.verifier.feature_store import FeatureStore, feature_table
 from specwire.verifier.request_error import RequestError, in_flight_already
 
 from specwire import round_trace
-from specwire.engine import TargetEngine
+from specwire.engine import StepOutput, TargetEngine
 from specwire.forced_acceptance import rates_tensor
 from specwire.metrics import VerifierMetrics
 from specwire.sampling_params import SamplingParams
@@ -229,6 +229,10 @@ class SchedulerConfig:
     # drafter's device right behind the sampler (no return to the host in between). None = where the link
     # says so (queues_on_auto) and features live on CUDA.
     queue_drafts: bool | None = None
+    # Drafts read on the device (a drafter process on this host, greedy rows): queue each round's forward
+    # right behind the last one's launch, its first tokens and positions taken from that round's sampler on
+    # the device, so that the GPU never waits for the host between rounds (Scheduler._launch_ahead).
+    launch_ahead: bool = True
 
 
 @dataclass
@@ -242,6 +246,7 @@ class _Step:
     wants: list[Want] = field(default_factory=list)  # and what was asked for each
     # Requests whose prompts the verification carried: their first tokens and features follow the rows'.
     carried: list[Request] = field(default_factory=list)
+    taken: QueuedDrafts | None = None  # the queued drafts, already taken from the link (_launch_ahead)
 
 
 class _Launch(NamedTuple):
@@ -254,6 +259,23 @@ class _Launch(NamedTuple):
     wants: list[Want]  # and what was asked for each
     carried: list[Request]  # requests whose prompts the forward prefilled
     read_back: bool  # the features went to the host (no store when it was launched), to be picked there
+    taken: QueuedDrafts | None = None  # the queued drafts, taken from the link by _launch_ahead
+    ahead: _Ahead | None = None  # the next round, its forward launched behind this one's
+
+
+@dataclass
+class _Ahead:
+    """The next round's verification, its forward queued right behind this round's launch, before this
+    round's tokens reach the host (Scheduler._launch_ahead): this round's rows, each fed the token its sampler
+    emitted last and the drafts queued behind it, read on the device. Its sampler and the rest of its launch
+    wait for this round's settling, which tells its rows' start positions."""
+
+    rows: list[Request]
+    batch: BatchDrafts
+    out: StepOutput
+    starts: list[int]  # each row's start position: this round's, advanced once its tokens are back
+    queued: QueuedDrafts
+    started: float  # perf_counter() at its launch
 
 
 class Scheduler:
@@ -272,6 +294,7 @@ class Scheduler:
         self._in_flight: tuple[asyncio.Future, dict[str, Want]] | None = None  # serial mode's sent step
         self._sitting_out = False  # its rows sat the last round out (_beside_device_drafts)
         self._queued_drafts: QueuedDrafts | None = None  # serial mode's, queued behind the last sampler
+        self._ahead: _Ahead | None = None  # the next verification, its forward queued already
         # Whether serial drafts may be queued behind the sampler where the link can (a remote link can once
         # its drafter maps the features): asked for, or by default where the link says so and features
         # live on a GPU.
@@ -392,6 +415,8 @@ class Scheduler:
             round_trace.mark("v.loop")
             self._wake.clear()
             self._reap()
+            if self._ahead is not None and not self.running:  # every row of it ended
+                self._drop_ahead()
             self.metrics.num_requests_running.set(len(self.running))
             self.metrics.num_requests_waiting.set(len(self.waiting))
             if not self.running:
@@ -426,8 +451,10 @@ class Scheduler:
         """Whether waiting requests are prefilled now: a slot is free and (config.admit_wait) nothing decodes,
         the waiting fill the free slots, or their wait ran out. Read by the worker too: the attributes are
         written whole, under the GIL."""
+        # Not while a verification's forward is queued ahead: its rows are the batch (its features go to
+        # their slots after this round's settling, and a new request might have one of them by then).
         free = self.engine.num_free_slots
-        return bool(self.waiting) and free > 0 and (
+        return self._ahead is None and bool(self.waiting) and free > 0 and (
             not self.running or len(self.waiting) >= free or time.perf_counter() >= self._admit_at)
 
     def _admit(self) -> list[Request]:
@@ -524,11 +551,14 @@ class Scheduler:
         live = [r for r in group if r.live]
         round_trace.mark("v.round")
         if not live:
+            if self._ahead is not None:
+                self._drop_ahead()
             return
-        if not self.speculating:
+        ahead, self._ahead = self._ahead, None
+        if not self.speculating and ahead is None:
             await self._decode(live)
             return
-        caching, round_started = self.caching, time.perf_counter()
+        caching, round_started = self.caching and ahead is None, time.perf_counter()
         mode = self._drafting.mode if self._drafting is not None else "tables"
         tabling = caching and mode == "tables"
         # A serial epoch queues drafts as serial drafting does, but in its last round: whatever mode follows
@@ -555,6 +585,9 @@ class Scheduler:
             if not live:
                 return
             batch, sent = self._cached_drafts(live), None
+        elif ahead is not None:  # launched with the last round (_launch_ahead): its rows, dead ones too
+            live, batch, arriving, sent = ahead.rows, ahead.batch, ahead.queued, None
+            self._queued_drafts = None  # (they are `arriving`)
         else:
             sent, self._in_flight, pending = self._in_flight, None, self._queued_drafts
             batch = self._drafts_on_device(live) if sent is None else None
@@ -578,7 +611,7 @@ class Scheduler:
             sent = self._send_step(live, "tables", checking=batch.num_drafts)
             await asyncio.sleep(0)  # the link's writer puts it on the wire before this thread launches
         started = time.perf_counter()
-        step = await self._verify(live, batch, self._queueable(live, batch) if queueing else [])
+        step = await self._verify(live, batch, self._queueable(live, batch) if queueing else [], ahead)
         round_trace.mark("v.verified")
         self._verify_seconds = time.perf_counter() - started
         tables = await self._tables(sent) if caching else None
@@ -605,14 +638,15 @@ class Scheduler:
                 rest = [r for r in live if r.live and r.id not in queued]
                 self._in_flight = self._send_step(rest, "serial")
 
-    async def _verify(self, live: list[Request], batch: BatchDrafts, queue: list[int]) -> _Step:
-        """One verification, while the last round's tokens go out; the next drafts of rows `queue` are queued
-        behind its sampler. On CUDA this thread launches and collects it itself: the GPU does the work, and a
-        hand-off to the worker thread and back cost about 0.1 ms each of a 1.3-2.8 ms batch-1 round
-        (bench/round_timeline.py). On a CPU the worker runs the forward, which would hold the loop for all of
-        it."""
+    async def _verify(self, live: list[Request], batch: BatchDrafts, queue: list[int],
+                      ahead: _Ahead | None = None) -> _Step:
+        """One verification (`ahead`: the one whose forward is queued already), while the last round's
+        tokens go out; the next drafts of rows `queue` are queued behind its sampler. On CUDA this thread
+        launches and collects it itself: the GPU does the work, and a hand-off to the worker thread and back
+        cost about 0.1 ms each of a 1.3-2.8 ms batch-1 round (bench/round_timeline.py). On a CPU the worker
+        runs the forward, which would hold the loop for all of it."""
         if self._verified is not None:
-            launch = self._launch_verification(live, batch, queue)
+            launch = self._launch_verification(live, batch, queue, ahead)
             if launch.queued:  # the tokens are back before the drafts queued behind them are drafted
                 verified = self._tokens_back.ready
             else:
@@ -637,7 +671,8 @@ class Scheduler:
         loop = asyncio.get_running_loop()
         launched = loop.create_future()
         verification = loop.run_in_executor(self._worker, self._verify_on_worker, live, batch,
-                                            lambda: loop.call_soon_threadsafe(_resolve, launched), queue)
+                                            lambda: loop.call_soon_threadsafe(_resolve, launched), queue,
+                                            ahead)
         # Until the worker has started the verification, this thread keeps off the GIL it needs for that.
         await asyncio.wait((launched, verification), return_when=asyncio.FIRST_COMPLETED)
         self._finish_rounds()  # the last round's tokens go out while the verification runs
@@ -932,7 +967,8 @@ class Scheduler:
         if not step.queued:
             return set()
         ids = [live[i].id for i in step.queued]
-        queued = self.link.take_drafts(ids, step.wants, [len(step.tokens[i]) for i in step.queued])
+        counts = [len(step.tokens[i]) for i in step.queued]
+        queued = step.taken or self.link.take_drafts(ids, step.wants, counts)
         if queued is None:
             for i in step.queued:
                 self._resend_whole(live[i])
@@ -958,7 +994,7 @@ class Scheduler:
         if not (self._queues_serial_drafts() and self.link.can_queue()):
             return []
         return [i for i, (r, k) in enumerate(zip(live, batch.num_drafts, strict=True))
-                if k and r.drafter_len == len(r.tokens) and self._num_drafts(r)]
+                if k and r.live and r.drafter_len == len(r.tokens) and self._num_drafts(r)]
 
     def _drafting_modes(self) -> tuple[str, ...]:
         """The modes the adaptive drafting chooses from: the configured ones, else by what this drafter can
@@ -1091,7 +1127,7 @@ class Scheduler:
         return _Step(tokens, features, table.dtype)
 
     def _verify_on_worker(self, live: list[Request], batch: BatchDrafts, on_launch=lambda: None,
-                          queue: list[int] = ()) -> _Step:
+                          queue: list[int] = (), ahead: _Ahead | None = None) -> _Step:
         """A verification on the worker thread. on_launch: called once the target's forward and the sampler
         are queued on the device (on a CPU, where the forward runs right here, before it, so that the drafter
         works during it). Until then the loop keeps off the GIL, which each of the worker's host-side torch
@@ -1099,31 +1135,24 @@ class Scheduler:
         queued = self.engine.device.type == "cuda"
         if not queued:
             on_launch()
-        launch = self._launch_verification(live, batch, queue)
+        launch = self._launch_verification(live, batch, queue, ahead)
         if queued:
             on_launch()
         return self._collect_verification(launch)
 
     @torch.inference_mode()
-    def _launch_verification(self, live: list[Request], batch: BatchDrafts, queue: list[int] = ()) -> _Launch:
-        """Queues the target's forward over each request's last token and drafts, the sampler after it, and
-        the next drafts of rows `queue` after that."""
-        started = time.perf_counter()
+    def _launch_verification(self, live: list[Request], batch: BatchDrafts, queue: list[int] = (),
+                             ahead: _Ahead | None = None) -> _Launch:
+        """Queues the target's forward over each request's last token and drafts (unless `ahead` queued it
+        already), the sampler after it, and the next drafts of rows `queue` after that; and, where it may,
+        the next round's forward (_launch_ahead)."""
         round_trace.mark("v.verify", len(live))
-        # Queued behind whatever this verification waits for on the stream (drafts queued behind the last
-        # sampler, a drafter's write of them): from here on, the verification's own device time.
-        self._clock.verification_began()
-        carry, self._carrying = self._carrying, []
-        slots = [r.slot for r in live]
-        starts = [len(r.tokens) - 1 for r in live]
-        if any(batch.num_drafts) or carry:
-            rows = [[r.tokens[-1], *d] for r, d in zip(live, batch.token_ids, strict=True)]
-            prompts = [(r.slot, r.prompt) for r in carry]
-            out = self.engine.verify(slots, rows, starts, batch.on_device, prompts)
+        if ahead is None:
+            started, carry, self._carrying = time.perf_counter(), self._carrying, []
+            starts = [len(r.tokens) - 1 for r in live]
+            out = self._forward(live, batch, starts, carry)
         else:
-            out = self.engine.decode(slots, [r.tokens[-1] for r in live], starts)
-        round_trace.mark("v.forward_launched")
-        self.metrics.forward_steps_by_mode["cuda_graph" if self.engine.step_replayed_graph else "eager"].inc()
+            started, carry, starts, out = ahead.started, [], ahead.starts, ahead.out
         sampling = batch if not carry else BatchDrafts(  # a carried prompt's last token: a row without drafts
             [*batch.token_ids, *([] for _ in carry)], batch.probs, batch.on_device)
         # The sampler is queued right behind the forward: the device runs it while the host writes features
@@ -1169,8 +1198,77 @@ class Scheduler:
             queue, wants = [], []
         self.metrics.queued_drafts.inc(len(queue))
         round_trace.mark("v.drafts_queued")
+        taken = following = None
+        if queue and self._may_launch_ahead(live, batch.num_drafts, queue, wants, carry):
+            taken, following = self._launch_ahead(live, wants, sampled.packed, starts)
         return _Launch(started, batch.num_drafts, sampled, queue, wants, carry,
-                       self.link is not None and store is None)
+                       self.link is not None and store is None, taken, following)
+
+    def _forward(self, live: list[Request], batch: BatchDrafts, starts: list[int], carry: list[Request],
+                 follow: torch.Tensor | None = None) -> StepOutput:
+        """Queues the target's forward over each row's last token (or, `follow`: the one that sampler will
+        have emitted) and its drafts, starting at `starts`, and over the prompts of `carry`."""
+        # Queued behind whatever this verification waits for on the stream (drafts queued behind the last
+        # sampler, a drafter's write of them): from here on, the verification's own device time.
+        self._clock.verification_began()
+        slots = [r.slot for r in live]
+        if any(batch.num_drafts) or carry:
+            rows = [[0 if follow is not None else r.tokens[-1], *d]
+                    for r, d in zip(live, batch.token_ids, strict=True)]
+            prompts = [(r.slot, r.prompt) for r in carry]
+            out = self.engine.verify(slots, rows, starts, batch.on_device, prompts, follow)
+        else:
+            out = self.engine.decode(slots, [r.tokens[-1] for r in live], starts)
+        round_trace.mark("v.forward_launched")
+        self.metrics.forward_steps_by_mode["cuda_graph" if self.engine.step_replayed_graph else "eager"].inc()
+        return out
+
+    def _may_launch_ahead(self, live: list[Request], num_drafts: list[int], queue: list[int],
+                          wants: list[Want], carry: list[Request]) -> bool:
+        """Whether the next round can be launched now, before this one's tokens are back: the steady state of
+        a batch whose every row reads its queued drafts on the device. It must be exactly the round the host
+        would launch once this one is settled: the same rows (nothing waits to join, no row sits out, no
+        step is out), greedy, each with as many drafts as it asked for whatever this round accepts (room for
+        them after the most it can settle). A row this round ends is verified once more, for nothing."""
+        if not self.config.launch_ahead or carry or self.waiting or self._in_flight is not None:
+            return False
+        if len(queue) != len(live) or not all(r.live for r in live):
+            return False
+        ids = {r.id for r in live}
+        if any(r.live and r.id not in ids for r in self.running):
+            return False
+        for r, k, want in zip(live, num_drafts, wants, strict=True):
+            room = min(self.max_context - len(r.tokens), r.params.max_tokens - r.num_output) - 1 - (k + 1)
+            if want.temperature > 0 or not 0 < want.num_drafts <= room:
+                return False
+        return True
+
+    def _launch_ahead(self, live: list[Request], wants: list[Want], packed: torch.Tensor, starts: list[int]
+                      ) -> tuple[QueuedDrafts, _Ahead | None]:
+        """The next round's forward, queued behind this round's sampler and the drafter's write of the drafts
+        queued behind that: each row fed the last token the sampler emits (read there, on the device) and
+        its drafts, read where the drafter writes them. The host launches it before this round's tokens are
+        back, so the GPU does not idle while the host settles them and prepares the next launch (session 40:
+        1.3 ms of such host work a round at batch 16, for a 1.4 ms verification). Its sampler is launched
+        with the next round, once these tokens are settled. Returns the queued drafts (taken from the link)
+        and the round, or None if the drafts are not readable on the device after all."""
+        ids = [r.id for r in live]
+        queued = self.link.take_drafts(ids, wants, [])
+        rows = queued.device_rows(ids, [w.num_drafts for w in wants])
+        if rows is None:
+            return queued, None
+        self.metrics.drafts_read_on_device.inc()
+        self.metrics.launched_ahead.inc()
+        self._clock.round_queued()
+        drafts = queued.on_device.read(rows, self.vocab_size)
+        batch = BatchDrafts([[0] * n for _, n in rows], None, drafts)
+        out = self._forward(live, batch, starts, [], follow=packed)
+        return queued, _Ahead(live, batch, out, list(starts), queued, time.perf_counter())
+
+    def _drop_ahead(self) -> None:
+        """A verification launched ahead will not be sampled (its rows ended): its drafts wait as those queued
+        behind a sampler do, for the answer that tells what became of its requests."""
+        self._queued_drafts, self._ahead = self._ahead.queued, None
 
     @torch.inference_mode()
     def _collect_verification(self, launch: _Launch) -> _Step:
@@ -1182,6 +1280,9 @@ class Scheduler:
                 self.link.drop_drafts()
             raise
         round_trace.mark("v.tokens")
+        if launch.ahead is not None:  # its rows start where these tokens end
+            launch.ahead.starts = [s + len(t) for s, t in zip(launch.ahead.starts, tokens, strict=True)]
+            self._ahead = launch.ahead
         features = dtype = None
         if launch.read_back:
             # The rows the target ran on whose next token is now settled, as views of the readback buffer:
@@ -1202,7 +1303,7 @@ class Scheduler:
                     self.metrics.gpu_idle[cause].observe(seconds)
         self._profiler.step()
         round_trace.mark("v.verify_end")
-        return _Step(tokens, features, dtype, launch.queued, launch.wants, launch.carried)
+        return _Step(tokens, features, dtype, launch.queued, launch.wants, launch.carried, launch.taken)
 
     def _sample(self, logits: torch.Tensor, requests: list[Request], batch: BatchDrafts) -> SampleOutput:
         def column(values: list, dtype: type) -> np.ndarray:  # numpy: no torch call per column
