@@ -56,7 +56,11 @@ def _check(result: int, what: str) -> None:
 
 
 SLOT_DIR, SLOT_PREFIX = "/dev/shm", "specwire-slot-"
-RELEASED = 2**64 - 1  # a slot value every wait accepts
+# A slot value every wait accepts. The GPU's wait (CU_STREAM_WAIT_VALUE_GEQ) compares cyclically, until
+# (int64)(slot - wanted) >= 0, so the all-ones value reads as -1 and ends no wait for a step number (it was
+# this value until session 42, when a verifier's GPU stayed waiting for a killed drafter's drafts); 2**62 is
+# ahead of every number a stream counts to.
+RELEASED = 2**62
 
 
 class HostSlot:

@@ -524,6 +524,7 @@ def _device_read_drafter(monkeypatch, carry_rows: int = 0):
         return queued
 
     monkeypatch.setattr(DrafterLink, "take_drafts", take_with_device_drafts)
+    monkeypatch.setattr(DrafterLink, "drafts_readable_on_device", True)
     _DraftsOnTheHost.reads = []
 
     async def serve(link: DrafterLink | None, metrics: VerifierMetrics, submits, aborts: dict[int, int],

@@ -1,7 +1,8 @@
 """The shared slot a drafter's GPU waits on (specwire/stream_values.py), on its host side: the file both
 processes map, what either writes the other reads, the paths it refuses, and the drafter's bounded wait for a
-verifier that never writes it. (The GPUs' side, the stream operations, runs in the GPU test of queued drafts
-across processes, tests/test_shared_features.py.)"""
+verifier that never writes it; on a GPU, that the release value ends a stream's wait. (The rest of the
+GPUs' side, the stream operations, runs in the GPU tests of queued drafts across processes,
+tests/test_shared_features.py.)"""
 
 import multiprocessing as mp
 import os
@@ -11,7 +12,7 @@ import pytest
 import torch
 from specwire.drafter.server import SettleTimeout, _SharedOutput
 
-from specwire.stream_values import SLOT_DIR, HostSlot, SlotWatch
+from specwire.stream_values import RELEASED, SLOT_DIR, HostSlot, SlotWatch, wait_value
 
 
 def _write_from_another_process(path: str, value: int) -> None:
@@ -28,7 +29,7 @@ def test_a_slot_is_shared_with_another_process_by_its_path():
         writer.start()
         writer.join(60)
         assert writer.exitcode == 0 and slot.value == 41
-        slot.set(2**64 - 1)  # the whole unsigned range: a released wait
+        slot.set(2**64 - 1)  # the whole unsigned range
         assert HostSlot(slot.path).value == 2**64 - 1
     finally:
         slot.unlink()
@@ -83,7 +84,7 @@ def test_a_cpu_drafter_lets_go_of_a_slot_it_was_offered():
     try:
         shared = _SharedOutput(buffer=None, slot=HostSlot(slot.path))
         shared.close(torch.device("cpu"))
-        assert shared.slot is None and slot.value == 2**64 - 1
+        assert shared.slot is None and slot.value == RELEASED
     finally:
         slot.unlink()
         slot.close()
@@ -115,6 +116,34 @@ def test_a_watched_wait_not_written_in_time_is_ended_from_the_host_and_one_writt
         time.sleep(0.05)  # the thread sleeps towards the 30 s deadline
         watch.watch(slot, 6, 0.1)  # replaces it: 6 is written, the 30 s deadline is gone with it
         assert _until(lambda: slot.value == 6) and released == [3, 6]
+    finally:
+        slot.unlink()
+        slot.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_released_slot_ends_a_gpu_wait_for_any_step_number():
+    """RELEASED ends a stream's wait for a number never written (a drafter or verifier gone): the GPU's
+    comparison is cyclic, (int64)(slot - wanted) >= 0, so the value must lie ahead of every step number, not
+    merely be the largest unsigned one (2**64 - 1 reads as -1: the stream would wait for good)."""
+    slot = HostSlot()
+    stream = torch.cuda.Stream()
+    try:
+        for wanted in (1, 7, 2**40):
+            slot.set(0)
+            wait_value(slot, wanted, stream)
+            done = torch.cuda.Event()
+            with torch.cuda.stream(stream):
+                torch.ones(4, device="cuda").sum()
+                done.record()
+            time.sleep(0.05)
+            assert not done.query(), "the stream did not wait"
+            slot.set(RELEASED)
+            ended = _until(done.query, 5.0)
+            slot.set(wanted)  # (whatever happened, the stream goes on)
+            assert ended, f"RELEASED did not end a wait for {wanted}"
+        torch.cuda.synchronize()
     finally:
         slot.unlink()
         slot.close()

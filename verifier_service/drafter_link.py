@@ -119,6 +119,8 @@ class LocalDrafterLink(_StepResults):
     queued on the device right behind the sampler of the verification that settles their tokens, they are
     ready when its tokens are read, with no DraftStep built, applied or answered in between."""
 
+    drafts_readable_on_device = False  # (they are this process's, on its drafter's device: `proposal`)
+
     def __init__(self, run_step: Callable[[pb.DraftStep, dict[str, torch.Tensor]], pb.DraftResult],
                  info: pb.DrafterInfo, mismatch: Callable[[pb.HandshakeRequest], str],
                  metrics: VerifierMetrics, feature_device: torch.device, step_timeout: float = 0.5,
@@ -507,6 +509,11 @@ class DrafterLink(_StepResults):
     @property
     def _returns_drafts(self) -> bool:
         return self.drafts_on_device and self.info.returns_drafts_on_device
+
+    @property
+    def drafts_readable_on_device(self) -> bool:
+        """Whether drafts queued now come back where this GPU reads them (take_drafts' `on_device`)."""
+        return self._drafted is not None and self._drafts is not None
 
     def announce_drafts(self, request_ids: list[str], wants: list[Want], rows: list[int],
                         features: torch.Tensor, feature_cells: list[int], settled_shape: tuple[int, int]

@@ -1230,7 +1230,9 @@ class Scheduler:
         would launch once this one is settled: the same rows (nothing waits to join, no row sits out, no
         step is out), greedy, each with as many drafts as it asked for whatever this round accepts (room for
         them after the most it can settle). A row this round ends is verified once more, for nothing."""
-        if not self.config.launch_ahead or carry or self.waiting or self._in_flight is not None:
+        if not (self.config.launch_ahead and self.link.drafts_readable_on_device):
+            return False
+        if carry or self.waiting or self._in_flight is not None:
             return False
         if len(queue) != len(live) or not all(r.live for r in live):
             return False
