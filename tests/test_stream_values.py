@@ -129,6 +129,9 @@ def test_a_released_slot_ends_a_gpu_wait_for_any_step_number():
     merely be the largest unsigned one (2**64 - 1 reads as -1: the stream would wait for good)."""
     slot = HostSlot()
     stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):  # the kernels loaded first: a module's first load waits for the device
+        torch.ones(4, device="cuda").sum()
+    torch.cuda.synchronize()
     try:
         for wanted in (1, 7, 2**40):
             slot.set(0)
