@@ -30,7 +30,10 @@ readback; prefill excluded, so decode tokens = tokens - one per request). It is 
 nothing but verification were on its critical path. On CUDA `ideal_speedup_gpu` takes the verifications'
 device time instead (specwire_verify_gpu_seconds, CUDA events around the forward and the sampler): the
 engine-thread time of a verification launched before the drafts it is queued behind are drafted (co-located,
-drafts fed from the device) holds the device's wait for them, which the device time leaves out.
+drafts fed from the device) holds the device's wait for them, which the device time leaves out; a
+verification launched ahead (--launch-ahead) counts the thread's time launching its forward, then from its
+sampler's launch to its tokens, while the device ran part of the forward in between: that thread time can
+be shorter than the device time, and its ideal then above `ideal_speedup_gpu`.
 
 With --paired, a second verifier, target-only, runs beside the speculative ones for the whole run, and each
 speculative point's batches alternate with its batches of the same prompts (target-only first, then last,

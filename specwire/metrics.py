@@ -175,7 +175,8 @@ class VerifierMetrics(_ServiceMetrics):
             "drafter_rpc_latency_seconds", "DraftStep sent to its DraftResult received.", STEP_BUCKETS
         )
         self.verify_step_time = h(
-            "verify_step_seconds", "Engine-thread time of one verification (forward, sampling, readback).",
+            "verify_step_seconds", "Engine-thread time of one verification (forward, sampling, readback; one "
+            "launched ahead: its forward's launch, then from its sampler's launch to its tokens).",
             STEP_BUCKETS,
         )
         self.verify_gpu_time = h(

@@ -275,7 +275,7 @@ class _Ahead:
     out: StepOutput
     starts: list[int]  # each row's start position: this round's, advanced once its tokens are back
     queued: QueuedDrafts
-    started: float  # perf_counter() at its launch
+    launch_seconds: float  # the host's time launching its forward
 
 
 class Scheduler:
@@ -1152,7 +1152,10 @@ class Scheduler:
             starts = [len(r.tokens) - 1 for r in live]
             out = self._forward(live, batch, starts, carry)
         else:
-            started, carry, starts, out = ahead.started, [], ahead.starts, ahead.out
+            # Its engine-thread time (specwire_verify_step_seconds): the forward's launch and, from here,
+            # the rest; not the previous round's settling, which this thread did meanwhile.
+            started = time.perf_counter() - ahead.launch_seconds
+            carry, starts, out = [], ahead.starts, ahead.out
         sampling = batch if not carry else BatchDrafts(  # a carried prompt's last token: a row without drafts
             [*batch.token_ids, *([] for _ in carry)], batch.probs, batch.on_device)
         # The sampler is queued right behind the forward: the device runs it while the host writes features
@@ -1254,7 +1257,7 @@ class Scheduler:
         1.3 ms of such host work a round at batch 16, for a 1.4 ms verification). Its sampler is launched
         with the next round, once these tokens are settled. Returns the queued drafts (taken from the link)
         and the round, or None if the drafts are not readable on the device after all."""
-        ids = [r.id for r in live]
+        began, ids = time.perf_counter(), [r.id for r in live]
         queued = self.link.take_drafts(ids, wants, [])
         rows = queued.device_rows(ids, [w.num_drafts for w in wants])
         if rows is None:
@@ -1265,7 +1268,7 @@ class Scheduler:
         drafts = queued.on_device.read(rows, self.vocab_size)
         batch = BatchDrafts([[0] * n for _, n in rows], None, drafts)
         out = self._forward(live, batch, starts, [], follow=packed)
-        return queued, _Ahead(live, batch, out, list(starts), queued, time.perf_counter())
+        return queued, _Ahead(live, batch, out, list(starts), queued, time.perf_counter() - began)
 
     def _drop_ahead(self) -> None:
         """A verification launched ahead will not be sampled (its rows ended): its drafts wait as those queued
