@@ -317,6 +317,11 @@ def measure(client: Client, port: int, metric_ports: dict[str, int | None], gpus
                              # verifications that read a drafter process's queued drafts on the GPU
                              "drafts_read_on_device": delta.get(
                                  "verifier", "specwire_queued_drafts_read_on_device_total"),
+                             # of them, verifications launched before the last one's tokens were back
+                             "launched_ahead": delta.get(
+                                 "verifier", "specwire_verifications_launched_ahead_total"),
+                             # rows that sat a round out for their first drafts (_beside_device_drafts)
+                             "rows_sat_out": delta.get("verifier", "specwire_queued_drafts_sat_out_total"),
                              "_chunks": [{"sent": t.sent_at - start, "arrivals": t.arrivals,
                                           "tokens": t.chunk_tokens} for t in timings],
                              "_step_seconds": delta.get("verifier", "specwire_verify_step_seconds_sum"),
