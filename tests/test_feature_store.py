@@ -26,18 +26,22 @@ def test_written_rows_are_the_tables_picked_columns(columns, with_aux):
         pytest.skip("columns past the hidden state need aux taps")
     generator = torch.Generator().manual_seed(0)
     fed = 7  # rows the forward ran on; fewer than the buffers' rows, as in a padded graph replay
-    hidden = torch.randn(fed + 3, H, generator=generator)
-    aux = torch.randn(fed + 3, AUX, generator=generator) if with_aux else None
+    first_hidden = torch.randn(fed + 3, H, generator=generator)
+    first_aux = torch.randn(fed + 3, AUX, generator=generator) if with_aux else None
     width = len(range(H + AUX)[columns]) if isinstance(columns, slice) else len(columns)
     store = FeatureStore(slots=3, max_context=5, columns=columns, width=width, dtype=torch.float32,
                          device=torch.device("cpu"))
     store.rows.fill_(float("nan"))
     slots, positions = [0, 0, 0, 2, 2, 1, 1], [0, 1, 2, 3, 4, 0, 4]
-    store.write(hidden, aux, slots, positions)
-
-    table = feature_table(hidden, aux)[:fed]
-    expected = table[:, columns] if isinstance(columns, slice) else table[:, torch.as_tensor(columns)]
-    torch.testing.assert_close(store.rows[slots, positions], expected, rtol=0, atol=0)
+    # Two writes, as two rounds: the second picks the same columns of its own inputs (the store keeps its
+    # column index on the device between writes).
+    again = (first_hidden.flip(0), None if first_aux is None else first_aux.flip(0))
+    rounds = [(first_hidden, first_aux), again]
+    for hidden, aux in rounds:
+        store.write(hidden, aux, slots, positions)
+        table = feature_table(hidden, aux)[:fed]
+        expected = table[:, columns] if isinstance(columns, slice) else table[:, torch.as_tensor(columns)]
+        torch.testing.assert_close(store.rows[slots, positions], expected, rtol=0, atol=0)
     written = torch.zeros(3, 5, dtype=torch.bool)
     written[slots, positions] = True
     assert store.rows[~written].isnan().all(), "a row nobody wrote was touched"

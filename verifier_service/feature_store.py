@@ -41,19 +41,18 @@ def feature_table(hidden: torch.Tensor, aux: torch.Tensor | None) -> torch.Tenso
     return hidden if aux is None else torch.cat([hidden, aux], dim=-1)
 
 
-def _pick(hidden: torch.Tensor, aux: torch.Tensor | None, columns: slice | torch.Tensor,
-          span: tuple[int, int], n: int) -> torch.Tensor:
-    """feature_table(hidden, aux)[:n, columns], whose indices lie in [span[0], span[1]), without building
-    the table where they lie in one of its parts: an EAGLE-3 head takes only the aux taps, and the
-    concatenation took 13% of the engine thread's time a verification (py-spy,
-    bench/results/session12_h200x2/)."""
+def _part(hidden: torch.Tensor, aux: torch.Tensor | None, span: tuple[int, int], n: int
+          ) -> tuple[torch.Tensor, int]:
+    """The first n rows of the part of feature_table(hidden, aux) that holds columns [span[0], span[1]), and
+    the table's index of that part's first column, without building the table where the columns lie in one
+    of its parts: an EAGLE-3 head takes only the aux taps, and the concatenation took 13% of the engine
+    thread's time a verification (py-spy, bench/results/session12_h200x2/)."""
     H = hidden.shape[-1]
-    part, first = (hidden, 0) if span[1] <= H else (aux, H) if aux is not None and span[0] >= H else (None, 0)
-    if part is None:
-        part = feature_table(hidden[:n], None if aux is None else aux[:n])
-    if isinstance(columns, slice):
-        return part[:n, columns.start - first:columns.stop - first]
-    return part[:n].index_select(1, (columns - first).to(part.device))
+    if span[1] <= H:
+        return hidden[:n], 0
+    if aux is not None and span[0] >= H:
+        return aux[:n], H
+    return feature_table(hidden[:n], None if aux is None else aux[:n]), 0
 
 
 class FeatureStore:
@@ -70,6 +69,9 @@ class FeatureStore:
             self._columns = torch.as_tensor(columns)
             self._span = (int(columns.min()), int(columns.max()) + 1)
         self._picked = _column_key(columns)
+        # Index columns as the part they are picked from counts them, on its device: made once, since an
+        # upload from pageable memory waits for the stream (and the launch queued on it) each time.
+        self._indices: dict[tuple[int, torch.device], torch.Tensor] = {}
         device = torch.device(device)
         crossing = device.type == "cuda" and source is not None and torch.device(source) != device
         self._stream = torch.cuda.Stream(device) if crossing else None
@@ -80,7 +82,11 @@ class FeatureStore:
         """rows[slots[i], positions[i]] = the picked columns of feature_table(hidden, aux) row i, for every i.
         Queued on both devices' streams without a wait; the inputs may be overwritten by whatever is queued
         after."""
-        picked = _pick(hidden, aux, self._columns, self._span, len(slots))
+        part, first = _part(hidden, aux, self._span, len(slots))
+        if isinstance(self._columns, slice):
+            picked = part[:, self._columns.start - first:self._columns.stop - first]
+        else:
+            picked = part.index_select(1, self._column_index(first, part.device))
         # One copy of flat indices and one index_copy_: an index_put_ over (slot, position) pairs cost about
         # twice the host time (py-spy, SmolLM2 co-located at batch 16, bench/results/session36/).
         cells = np.asarray(slots, dtype=np.int64) * self.rows.shape[1] + np.asarray(positions, dtype=np.int64)
@@ -89,6 +95,11 @@ class FeatureStore:
             self.flat.index_copy_(0, where, picked.to(self.rows.device, self.rows.dtype))
             if self._written is not None:
                 self._written.record(self._stream)
+
+    def _column_index(self, first: int, device: torch.device) -> torch.Tensor:
+        if (index := self._indices.get((first, device))) is None:
+            index = self._indices[first, device] = (self._columns - first).to(device)
+        return index
 
     def holds(self, columns: slice | np.ndarray, width: int, dtype: torch.dtype, device: torch.device
               ) -> bool:
