@@ -274,7 +274,6 @@ class _Ahead:
     batch: BatchDrafts
     out: StepOutput
     starts: list[int]  # each row's start position: this round's, advanced once its tokens are back
-    queued: QueuedDrafts
     launch_seconds: float  # the host's time launching its forward
 
 
@@ -415,11 +414,12 @@ class Scheduler:
             round_trace.mark("v.loop")
             self._wake.clear()
             self._reap()
-            if self._ahead is not None and not self.running:  # every row of it ended
-                self._drop_ahead()
             self.metrics.num_requests_running.set(len(self.running))
             self.metrics.num_requests_waiting.set(len(self.waiting))
             if not self.running:
+                # A round launched ahead whose every row ended is not sampled; its drafts wait, as queued
+                # ones do, for the answer that says what became of its requests.
+                self._ahead = None
                 self._finish_rounds()
             if not self.waiting and not self.running:
                 if self._frees and self.speculating:
@@ -551,8 +551,6 @@ class Scheduler:
         live = [r for r in group if r.live]
         round_trace.mark("v.round")
         if not live:
-            if self._ahead is not None:
-                self._drop_ahead()
             return
         ahead, self._ahead = self._ahead, None
         if not self.speculating and ahead is None:
@@ -586,8 +584,8 @@ class Scheduler:
                 return
             batch, sent = self._cached_drafts(live), None
         elif ahead is not None:  # launched with the last round (_launch_ahead): its rows, dead ones too
-            live, batch, arriving, sent = ahead.rows, ahead.batch, ahead.queued, None
-            self._queued_drafts = None  # (they are `arriving`)
+            live, batch, sent = ahead.rows, ahead.batch, None
+            arriving, self._queued_drafts = self._queued_drafts, None  # (taken by its launch)
         else:
             sent, self._in_flight, pending = self._in_flight, None, self._queued_drafts
             batch = self._drafts_on_device(live) if sent is None else None
@@ -911,11 +909,19 @@ class Scheduler:
         queued = self._queued_drafts
         if queued is None or queued.on_device is None:  # (the usual case: no list built a round for it)
             return None
-        rows = queued.device_rows([r.id for r in live], [self._num_drafts(r) for r in live])
+        batch = self._read_on_device(queued, [r.id for r in live], [self._num_drafts(r) for r in live])
+        if batch is not None:
+            self._queued_drafts = None
+        return batch
+
+    def _read_on_device(self, queued: QueuedDrafts, request_ids: list[str], room: list[int]
+                        ) -> BatchDrafts | None:
+        """`queued`'s drafts for a verification of `request_ids` (each cut to its room), read on the device
+        behind the drafter's write of them; None where they are not (QueuedDrafts.device_rows)."""
+        rows = queued.device_rows(request_ids, room)
         round_trace.mark("v.device_rows")
         if rows is None:
             return None
-        self._queued_drafts = None
         self.metrics.drafts_read_on_device.inc()
         self._clock.round_queued()  # the device may idle from here until the drafter's write: "drafts"
         round_trace.mark("v.clock_queued")
@@ -1259,21 +1265,12 @@ class Scheduler:
         and the round, or None if the drafts are not readable on the device after all."""
         began, ids = time.perf_counter(), [r.id for r in live]
         queued = self.link.take_drafts(ids, wants, [])
-        rows = queued.device_rows(ids, [w.num_drafts for w in wants])
-        if rows is None:
+        batch = self._read_on_device(queued, ids, [w.num_drafts for w in wants])
+        if batch is None:
             return queued, None
-        self.metrics.drafts_read_on_device.inc()
         self.metrics.launched_ahead.inc()
-        self._clock.round_queued()
-        drafts = queued.on_device.read(rows, self.vocab_size)
-        batch = BatchDrafts([[0] * n for _, n in rows], None, drafts)
         out = self._forward(live, batch, starts, [], follow=packed)
-        return queued, _Ahead(live, batch, out, list(starts), queued, time.perf_counter() - began)
-
-    def _drop_ahead(self) -> None:
-        """A verification launched ahead will not be sampled (its rows ended): its drafts wait as those queued
-        behind a sampler do, for the answer that tells what became of its requests."""
-        self._queued_drafts, self._ahead = self._ahead.queued, None
+        return queued, _Ahead(live, batch, out, list(starts), time.perf_counter() - began)
 
     @torch.inference_mode()
     def _collect_verification(self, launch: _Launch) -> _Step:
