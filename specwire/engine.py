@@ -6,6 +6,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import functools
+import os
 import secrets
 import time
 from collections import deque
@@ -24,6 +25,11 @@ from specwire.model_source import load_model
 from specwire.sampling_params import SamplingParams
 from specwire.staging import TORCH_DTYPES, HostArray, StagedInputs, host_array, upload
 from specwire.tokenizer import IncrementalDetokenizer, Tokenizer
+
+try:  # CPU-only installs may lack Triton; they run the reference.
+    from specwire.kernels import follow_triton
+except ImportError:
+    follow_triton = None
 
 DTYPES = {
     "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
@@ -221,7 +227,18 @@ def follow_sampler(ids: torch.Tensor, positions: torch.Tensor, packed: torch.Ten
     """Rows that continue where a sampler left them, set on the device without a wait for the host:
     ids[b, 0] = the last token the sampler emitted for row b and positions[b] += how many it emitted
     (packed [B, 2 + k]: count, then the tokens, as SampleOutput holds them). Clamped, so that a row the
-    sampler marked bad (count -1, which fails that round on the host) feeds a valid id."""
+    sampler marked bad (count -1, which fails that round on the host) feeds a valid id. One Triton launch on
+    CUDA (follow_triton; on the current device: the engine's steps run in device_scope), the reference
+    elsewhere."""
+    if follow_triton is not None and packed.is_cuda and os.environ.get("SPECWIRE_TORCH_OPS") != "1":
+        follow_triton.follow(ids, positions, packed, vocab_size)
+        return
+    follow_sampler_ref(ids, positions, packed, vocab_size)
+
+
+def follow_sampler_ref(ids: torch.Tensor, positions: torch.Tensor, packed: torch.Tensor, vocab_size: int
+                       ) -> None:
+    """follow_sampler in plain PyTorch: the CPU path and the kernel's test oracle."""
     rows = packed.shape[0]
     count = packed[:, :1].clamp(1, packed.shape[1] - 1)
     ids[:rows, :1].copy_(packed.gather(1, count).clamp_(0, vocab_size - 1))
@@ -406,6 +423,12 @@ class TargetEngine:
                 with device_scope(self.device):  # into slot 0: free, and a prefill rewrites it from 0
                     for n in warm_up_widths(max_context):
                         self._prefill_chunk(prefill_rows([(0, [0] * n)], n), graph=False)
+        if self.device.type == "cuda" and max_verify_tokens > 1:  # follow_sampler's kernel: compiled now,
+            with device_scope(self.device):  # not in the first round a request waits on
+                ids = torch.zeros(1, max_verify_tokens, dtype=torch.int64, device=self.device)
+                follow_sampler(ids, torch.zeros(1, dtype=torch.int32, device=self.device),
+                               torch.ones(1, max_verify_tokens + 1, dtype=torch.int64, device=self.device),
+                               self.config.vocab_size)
 
     # ------------------------------------------------------------------------------------------ slots
 

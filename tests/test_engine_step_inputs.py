@@ -5,7 +5,7 @@ import pytest
 import torch
 from test_engine import close, tiny_checkpoint
 
-from specwire.engine import TargetEngine
+from specwire.engine import TargetEngine, follow_sampler_ref
 from specwire.staging import Readback, read_back
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -107,6 +107,29 @@ def test_drafts_already_on_the_device_feed_as_the_host_rows_do(cuda_graphs):
         assert not torch.equal(engine.verify(slots, placeholders, starts).logits, host.logits)  # fed them
     with pytest.raises(ValueError, match="device_drafts must be"):
         engine.verify(slots, placeholders, starts, device_drafts=drafts[:-1])
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, gpu])])
+def test_the_follow_kernel_sets_what_the_reference_sets(device):
+    """follow_triton (on a CPU, Triton's interpreter) against the torch reference: rows that emitted 1 to
+    k + 1 tokens, a row the sampler marked bad (count -1), a token out of the vocabulary (clamped); int64 ids
+    beside int32 positions, as the engine's graph inputs are, with rows past the batch left alone."""
+    follow_triton = pytest.importorskip("specwire.kernels.follow_triton")
+    gen = torch.Generator().manual_seed(5)
+    B, k, V = 7, 4, 512
+    packed = torch.randint(V, (B, k + 2), generator=gen)
+    packed[:, 0] = torch.tensor([1, 2, 5, 3, -1, 5, 4])
+    packed[5, 5] = V + 9  # out of the vocabulary
+    ids = torch.randint(V, (B + 2, k + 1), generator=gen)
+    positions = torch.randint(100, (B + 2,), generator=gen, dtype=torch.int32)
+    want_ids, want_positions = ids.clone(), positions.clone()
+    follow_sampler_ref(want_ids, want_positions, packed, V)
+    got_ids, got_positions = ids.clone().to(device), positions.clone().to(device)
+    follow_triton.follow(got_ids, got_positions, packed.to(device), V)
+    assert torch.equal(got_ids.cpu(), want_ids) and torch.equal(got_positions.cpu(), want_positions)
+    assert want_ids[5, 0] == V - 1 and want_ids[4, 0] == packed[4, 1]
+    assert want_positions[4] == positions[4] + 1 and want_positions[2] == positions[2] + 5
+    assert torch.equal(want_ids[B:], ids[B:]) and not torch.equal(want_ids[:B], ids[:B])
 
 
 @pytest.mark.parametrize("cuda_graphs", [False, pytest.param(True, marks=[pytest.mark.gpu, gpu])])

@@ -95,6 +95,26 @@ def test_host_and_device_inputs_agree():
         assert _eager_lists(rejection_sample(**on_host, backend="torch")) == on_device
 
 
+def test_calls_queued_back_to_back_each_read_their_own_host_inputs():
+    """Host inputs travel through one staging block reused from call to call (staging.staging_block): calls
+    queued one behind the other, none read yet, the block grown past its size midway (q of 128 x 8 drafts on
+    the host), each give what the same batch gives alone."""
+    shapes = ((1, 2, "none"), (7, 3, "sparse"), (128, 8, "sparse"), (3, 1, "dense"), (64, 4, "none"))
+    batches = [make_batch(B, 8193, k, mode, seed=s, filter_frac=0.3, K=16, device="cuda")
+               for s, (B, k, mode) in enumerate(shapes)]
+    alone = [rejection_sample(**b, defer_check=True).token_lists() for b in batches]
+
+    def on_host(batch: dict) -> dict:
+        q = batch["draft_probs"]
+        if q is not None:
+            q = DraftProbs(*(t if t is None else t.cpu() for t in (q.probs, q.indices, q.values)))
+        return dict(batch, draft_token_ids=batch["draft_token_ids"].cpu(), draft_probs=q)
+
+    torch.cuda.synchronize()
+    queued = [rejection_sample(**on_host(b), defer_check=True) for b in batches]
+    assert [out.token_lists() for out in queued] == alone
+
+
 def test_deferred_check_raises_at_token_lists_cuda():
     batch = make_batch(3, 8193, 2, "dense", seed=2, device="cuda")
     batch["target_logits"][1, 4097] = float("nan")
