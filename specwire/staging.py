@@ -85,10 +85,11 @@ class StagingBlock:
     device twin kept from call to call (grown when too small): no pinned allocation, no per-array copy, one
     slice per array. Each call's device views hold until the next `send` writes the block again, which
     follows, in the stream's order, whatever was queued on the same stream in between; so a block serves one
-    thread's work on one stream (staging_block)."""
+    thread's work on one stream (staging_block). A send waits for the last one's copy to have left the host
+    block: a block used twice while the device lags behind would hold the host until it catches up."""
 
-    def __init__(self, stream: torch.cuda.Stream):
-        self.device, self._stream, self._size = stream.device, stream, 0
+    def __init__(self, device: torch.device):
+        self.device, self._size = torch.device(device), 0
         self._copied = torch.cuda.Event()  # recorded after each copy out of the host block
 
     def send(self, arrays: list[np.ndarray]) -> list[torch.Tensor]:
@@ -103,7 +104,7 @@ class StagingBlock:
         for a, offset in zip(arrays, offsets, strict=True):
             self._host_bytes[offset:offset + a.nbytes] = a.reshape(-1).view(np.uint8)
         self._block[:end].copy_(self._host[:end], non_blocking=True)  # on the device's current stream
-        self._copied.record(self._stream)
+        self._copied.record(torch.cuda.current_stream(self.device))
         views = []
         for a, offset in zip(arrays, offsets, strict=True):
             start = offset // a.itemsize
@@ -132,7 +133,7 @@ def staging_block(device: torch.device) -> StagingBlock:
     if block is None:
         if len(_blocks) >= 16:  # threads come and go (tests): a bounded few blocks
             _blocks.pop(next(iter(_blocks)))
-        block = _blocks[key] = StagingBlock(stream)
+        block = _blocks[key] = StagingBlock(device)
     return block
 
 
