@@ -29,7 +29,7 @@ from specwire.kernels.rejection_sampler_ref import (
 )
 
 from specwire import round_trace
-from specwire.staging import HostArray, host_array, staging_block
+from specwire.staging import TORCH_DTYPES, HostArray, host_array
 
 try:  # CPU-only installs may lack Triton; they run the reference.
     from specwire.kernels.rejection_sampler_triton import launch
@@ -214,9 +214,8 @@ def _filter_columns(filtering: list[bool], row_request: np.ndarray, temperature:
 
 def _to_device(parts: list[torch.Tensor | np.ndarray | None], device: torch.device
                ) -> list[torch.Tensor | None]:
-    """The parts as tensors on `device`. To CUDA, those on the host travel together: one copy through the
-    thread's staging block (a fresh pinned buffer, a copy and a view per part cost the serving loop about
-    0.19 ms of a batch-1 round's host time on an H100 host; bench/results/session43/)."""
+    """The parts as tensors on `device`. To CUDA, those on the host travel together: one copy from pinned
+    memory, filled through numpy."""
     moved: list = list(parts)
     host = []
     for i, t in enumerate(parts):
@@ -227,12 +226,22 @@ def _to_device(parts: list[torch.Tensor | np.ndarray | None], device: torch.devi
             host.append(i)
         else:
             moved[i] = (torch.from_numpy(t) if isinstance(t, np.ndarray) else t).to(device)
-    if host:
-        # Every part starts 16-byte aligned: Triton compiles a kernel per pattern of pointer alignments, and
-        # offsets that moved with the batch's shape would make a new pattern (a compile) out of a new batch.
-        sent = staging_block(device).send([np.ascontiguousarray(host_array(parts[i])) for i in host])
-        for i, t in zip(host, sent, strict=True):
-            moved[i] = t
+    if not host:
+        return moved
+    arrays = [np.ascontiguousarray(host_array(parts[i])) for i in host]
+    # Every part starts 16-byte aligned: Triton compiles a kernel per pattern of pointer alignments, and
+    # offsets that moved with the batch's shape would make a new pattern (a compile) out of a new batch.
+    offsets, end = [], 0
+    for a in arrays:
+        offsets.append(end)
+        end += -(-a.nbytes // 16) * 16
+    staging = torch.empty(end, dtype=torch.uint8, pin_memory=True)
+    block = staging.numpy()
+    for a, offset in zip(arrays, offsets, strict=True):
+        block[offset:offset + a.nbytes] = a.reshape(-1).view(np.uint8)
+    on_device = staging.to(device, non_blocking=True)
+    for i, a, offset in zip(host, arrays, offsets, strict=True):
+        moved[i] = on_device[offset:offset + a.nbytes].view(TORCH_DTYPES[a.dtype]).view(a.shape)
     return moved
 
 

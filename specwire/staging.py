@@ -16,7 +16,6 @@ tables held the verifier's launch until the tables were drafted, about 2 ms a ba
 from __future__ import annotations
 
 import math
-import threading
 
 import numpy as np
 import torch
@@ -78,63 +77,6 @@ class StagedInputs:
         end = self._end if last is None else self._offsets[last] + rows * self._row_bytes[last]
         self._block[:end].copy_(self._host[:end], non_blocking=True)
         self._copied.record()
-
-
-class StagingBlock:
-    """Host arrays of any number and size sent to one device in one copy, through a pinned block and its
-    device twin kept from call to call (grown when too small): no pinned allocation, no per-array copy, one
-    slice per array. Each call's device views hold until the next `send` writes the block again, which
-    follows, in the stream's order, whatever was queued on the same stream in between; so a block serves one
-    thread's work on one stream (staging_block). A send waits for the last one's copy to have left the host
-    block: a block used twice while the device lags behind would hold the host until it catches up."""
-
-    def __init__(self, device: torch.device):
-        self.device, self._size = torch.device(device), 0
-        self._copied = torch.cuda.Event()  # recorded after each copy out of the host block
-
-    def send(self, arrays: list[np.ndarray]) -> list[torch.Tensor]:
-        offsets, end = [], 0
-        for a in arrays:
-            offsets.append(end)
-            end += -(-a.nbytes // _ALIGN) * _ALIGN
-        if end > self._size:
-            self._grow(end)  # (the old pinned block is kept by the allocator until its copy is done)
-        elif not self._copied.query():  # the last copy may still read the host block (see StagedInputs)
-            self._copied.synchronize()
-        for a, offset in zip(arrays, offsets, strict=True):
-            self._host_bytes[offset:offset + a.nbytes] = a.reshape(-1).view(np.uint8)
-        self._block[:end].copy_(self._host[:end], non_blocking=True)  # on the device's current stream
-        self._copied.record(torch.cuda.current_stream(self.device))
-        views = []
-        for a, offset in zip(arrays, offsets, strict=True):
-            start = offset // a.itemsize
-            flat = self._typed[a.dtype][start:start + a.size]
-            views.append(flat if a.ndim == 1 else flat.view(a.shape))
-        return views
-
-    def _grow(self, size: int) -> None:
-        self._size = max(size, 2 * self._size, 4096)
-        self._host = torch.empty(self._size, dtype=torch.uint8, pin_memory=True)
-        self._host_bytes = self._host.numpy()
-        self._block = torch.empty(self._size, dtype=torch.uint8, device=self.device)
-        self._typed = {np.dtype(n): self._block.view(t) for n, t in TORCH_DTYPES.items()}
-
-
-_blocks: dict[tuple[int, int], StagingBlock] = {}
-
-
-def staging_block(device: torch.device) -> StagingBlock:
-    """The StagingBlock of this thread's current stream on `device`: work queued on one stream runs in
-    order, so a block may be written again as soon as its last copy is out; another thread, or another
-    stream, could have its kernels read a block after it was rewritten."""
-    stream = torch.cuda.current_stream(device)
-    key = (threading.get_ident(), stream.cuda_stream)
-    block = _blocks.get(key)
-    if block is None:
-        if len(_blocks) >= 16:  # threads come and go (tests): a bounded few blocks
-            _blocks.pop(next(iter(_blocks)))
-        block = _blocks[key] = StagingBlock(device)
-    return block
 
 
 def upload(values: torch.Tensor, to: torch.device | torch.Tensor) -> torch.Tensor:

@@ -96,9 +96,9 @@ def test_host_and_device_inputs_agree():
 
 
 def test_calls_queued_back_to_back_each_read_their_own_host_inputs():
-    """Host inputs travel through one staging block reused from call to call (staging.staging_block): calls
-    queued one behind the other, none read yet, the block grown past its size midway (q of 128 x 8 drafts on
-    the host), each give what the same batch gives alone."""
+    """Calls with host inputs (draft ids and q) queued one behind the other, none read yet, batches small and
+    large (q of 128 x 8 drafts), each give what the same batch gives alone: no call's inputs reach another's
+    kernel."""
     shapes = ((1, 2, "none"), (7, 3, "sparse"), (128, 8, "sparse"), (3, 1, "dense"), (64, 4, "none"))
     batches = [make_batch(B, 8193, k, mode, seed=s, filter_frac=0.3, K=16, device="cuda")
                for s, (B, k, mode) in enumerate(shapes)]

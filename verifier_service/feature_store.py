@@ -28,7 +28,7 @@ import contextlib
 import numpy as np
 import torch
 
-from specwire.staging import StagingBlock
+from specwire.staging import upload
 
 
 def _column_key(columns: slice | np.ndarray) -> slice | tuple[int, ...]:
@@ -76,9 +76,6 @@ class FeatureStore:
         crossing = device.type == "cuda" and source is not None and torch.device(source) != device
         self._stream = torch.cuda.Stream(device) if crossing else None
         self._written = torch.cuda.Event() if crossing else None
-        # The cells' own staging block: the sampler's, on the same stream, was sent just before, behind the
-        # forward, and a second send would wait for that copy (StagingBlock).
-        self._staging = StagingBlock(device) if device.type == "cuda" else None
 
     def write(self, hidden: torch.Tensor, aux: torch.Tensor | None, slots: list[int], positions: list[int]
               ) -> None:
@@ -94,7 +91,7 @@ class FeatureStore:
         # twice the host time (py-spy, SmolLM2 co-located at batch 16, bench/results/session36/).
         cells = np.asarray(slots, dtype=np.int64) * self.rows.shape[1] + np.asarray(positions, dtype=np.int64)
         with torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext():
-            where = torch.from_numpy(cells) if self._staging is None else self._staging.send([cells])[0]
+            where = upload(torch.from_numpy(cells), self.rows.device)
             self.flat.index_copy_(0, where, picked.to(self.rows.device, self.rows.dtype))
             if self._written is not None:
                 self._written.record(self._stream)
