@@ -2,7 +2,10 @@
 decode step (inputs staged, CUDA graph replayed) and the rejection sampler's launch, then the tokens read
 back. Each is timed on the host (perf_counter, no synchronisation inside), once straight after the other as
 the scheduler runs them ("chained") and once with the device idle before each ("synced"): a launch that
-takes longer chained than synced waits for the device somewhere inside.
+takes longer chained than synced waits for the device somewhere inside. Beside them, in the same rounds (so
+that the host's drift between processes cancels): the sampler launched with its per-request columns prepared
+once ("sampler_columns", as the scheduler runs it since session 43), and the launch-ahead's feed of the next
+rows from the sampler's output, one Triton launch against its torch reference ("follow" / "follow_ref").
 
     python bench/bench_launch_host.py --model /root/m/smol.gguf --batch 1,16,64 --out launch_host.json
 """
@@ -17,9 +20,9 @@ import time
 
 import numpy as np
 import torch
-from specwire.kernels.rejection_sampler import rejection_sample
+from specwire.kernels.rejection_sampler import prepare_columns, rejection_sample, sample_with
 
-from specwire.engine import TargetEngine, device_and_dtype
+from specwire.engine import TargetEngine, device_and_dtype, follow_sampler, follow_sampler_ref
 from specwire.model_source import load_model
 
 
@@ -37,7 +40,12 @@ def rounds(engine: TargetEngine, batch: int, k: int, n: int, synced: bool) -> di
     slots = [engine.allocate_slot() for _ in range(batch)]
     tokens = engine.prefill([(s, [1, 2, 3, 4]) for s in slots]).logits.argmax(-1).tolist()
     position = 4
-    times: dict[str, list[float]] = {"decode": [], "sampler": [], "tokens": [], "round": []}
+    times: dict[str, list[float]] = {"decode": [], "sampler": [], "sampler_columns": [], "follow": [],
+                                     "follow_ref": [], "tokens": [], "round": []}
+    host = columns(batch, k, [position] * batch)
+    prepared = prepare_columns(host[1], *host[3:7], engine.config.vocab_size, engine.device)
+    ids = torch.zeros(batch, k + 1, dtype=torch.int64, device=engine.device)
+    starts = torch.zeros(batch, dtype=torch.int32, device=engine.device)
     for i in range(n):
         if synced:
             sync()
@@ -52,14 +60,24 @@ def rounds(engine: TargetEngine, batch: int, k: int, n: int, synced: bool) -> di
         t1s = time.perf_counter()
         sampled = rejection_sample(out.logits, *columns(batch, k, [position + 1] * batch), defer_check=True)
         t2 = time.perf_counter()
+        cols = columns(batch, k, [position + 1] * batch)  # (as the scheduler builds drafts and positions)
+        sample_with(prepared, out.logits, cols[0], None, cols[7], defer_check=True)
+        t2c = time.perf_counter()
+        follow_sampler(ids, starts, sampled.packed, engine.config.vocab_size)
+        t2f = time.perf_counter()
+        follow_sampler_ref(ids, starts, sampled.packed, engine.config.vocab_size)
+        t2r = time.perf_counter()
         tokens = [row[0] for row in sampled.token_lists()]
         t3 = time.perf_counter()
         position += 1
         if i >= 10:  # past the first rounds' allocations
             times["decode"].append(t1 - t0)
             times["sampler"].append(t2 - t1s)
-            times["tokens"].append(t3 - t2)
-            times["round"].append(t3 - t0)
+            times["sampler_columns"].append(t2c - t2)
+            times["follow"].append(t2f - t2c)
+            times["follow_ref"].append(t2r - t2f)
+            times["tokens"].append(t3 - t2r)
+            times["round"].append(t2 - t0 + t3 - t2r)  # the round as the scheduler runs it
     for s in slots:
         engine.free_slot(s)
     return {k: 1e3 * statistics.median(v) for k, v in times.items()}

@@ -15,6 +15,7 @@ SampleOutput.token_lists() reads the result and raises on bad input with one dev
 import contextlib
 import math
 import os
+from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
@@ -36,7 +37,8 @@ try:  # CPU-only installs may lack Triton; they run the reference.
 except ImportError:
     launch = None
 
-__all__ = ["DraftProbs", "SampleOutput", "SamplerInputError", "prepare_batch", "rejection_sample", "warm_up"]
+__all__ = ["DraftProbs", "SampleOutput", "SamplerColumns", "SamplerInputError", "batch_with", "prepare_batch",
+           "prepare_columns", "rejection_sample", "sample_with", "warm_up"]
 
 Backend = Literal["auto", "triton", "torch"]
 
@@ -85,6 +87,22 @@ def _pick_backend(backend: Backend, logits: torch.Tensor) -> bool:
     return usable and (logits.is_cuda or backend == "triton")
 
 
+@dataclass(frozen=True)
+class SamplerColumns:
+    """A batch's per-request columns, validated and on the device: all that holds from round to round while
+    the batch keeps its rows and their draft counts (prepare_columns)."""
+
+    num_drafts: tuple[int, ...]
+    vocab_size: int
+    device: torch.device
+    cu_drafts: torch.Tensor  # [B + 1] int64
+    row_request: torch.Tensor  # [R] int64
+    temperature: torch.Tensor  # [B] float32
+    seed: torch.Tensor  # [B] int64
+    synthetic: torch.Tensor | None
+    filters: list[torch.Tensor]  # logit_thresholds' row arguments; empty: no row filters
+
+
 def rejection_sample(
     target_logits: torch.Tensor,
     draft_token_ids: HostColumn,
@@ -115,10 +133,30 @@ def rejection_sample(
     """
     batch = prepare_batch(target_logits, draft_token_ids, num_drafts, draft_probs, temperature, top_k, top_p,
                           seed, positions, synthetic_acceptance)
+    return _sample(batch, backend, defer_check)
+
+
+def sample_with(
+    columns: SamplerColumns,
+    target_logits: torch.Tensor,
+    draft_token_ids: HostColumn,
+    draft_probs: DraftProbs | None,
+    positions: HostColumn,
+    backend: Backend = "auto",
+    defer_check: bool = False,
+) -> SampleOutput:
+    """rejection_sample with the per-request columns prepared already (prepare_columns): a serving loop
+    whose batch keeps its rows and draft counts from round to round builds them once, and each round moves
+    only its drafts and positions (bench/results/session43/)."""
+    return _sample(batch_with(columns, target_logits, draft_token_ids, draft_probs, positions), backend,
+                   defer_check)
+
+
+def _sample(batch: SamplerBatch, backend: Backend, defer_check: bool) -> SampleOutput:
     round_trace.mark("s.prepared")
-    if not _pick_backend(backend, target_logits):
+    if not _pick_backend(backend, batch.logits):
         return sample_ref(batch)
-    with torch.cuda.device(target_logits.device) if target_logits.is_cuda else contextlib.nullcontext():
+    with torch.cuda.device(batch.logits.device) if batch.logits.is_cuda else contextlib.nullcontext():
         out = launch(batch)  # Triton launches on the *current* device; on CPU this is the interpreter
     if not defer_check:
         out.check()
@@ -137,36 +175,39 @@ def prepare_batch(
     positions: HostColumn,
     synthetic_acceptance: torch.Tensor | None = None,
 ) -> SamplerBatch:
-    """Validate the arguments of rejection_sample on the host and move them to the logits' device. The host
-    side works in numpy: a torch call on a tiny CPU tensor costs several microseconds and a release and
-    retake of the GIL, which a serving loop beside busy threads pays each time."""
-    if target_logits.dim() != 2 or not target_logits.dtype.is_floating_point:
-        raise SamplerInputError(f"target_logits must be a 2-D float tensor, got {target_logits.dtype} "
-                                f"{list(target_logits.shape)}")
-    R, V = target_logits.shape
+    """Validate the arguments of rejection_sample on the host and move them to the logits' device."""
+    _check_logits(target_logits)
+    columns = prepare_columns(num_drafts, temperature, top_k, top_p, seed, target_logits.shape[1],
+                              target_logits.device, synthetic_acceptance)
+    return batch_with(columns, target_logits, draft_token_ids, draft_probs, positions)
+
+
+def prepare_columns(
+    num_drafts: HostColumn,
+    temperature: HostColumn,
+    top_k: HostColumn,
+    top_p: HostColumn,
+    seed: HostColumn,
+    vocab_size: int,
+    device: torch.device,
+    synthetic_acceptance: torch.Tensor | None = None,
+) -> SamplerColumns:
+    """Validate rejection_sample's per-request columns on the host and move them to `device`. The host side
+    works in numpy: a torch call on a tiny CPU tensor costs several microseconds and a release and retake of
+    the GIL, which a serving loop beside busy threads pays each time."""
     if num_drafts.ndim != 1:
         raise SamplerInputError(f"num_drafts must be 1-D, got shape {list(num_drafts.shape)}")
-    B = num_drafts.shape[0]
+    B, V = num_drafts.shape[0], vocab_size
     nd = host_array(num_drafts).astype(np.int64)
     ks = nd.tolist()
     _fail_if_any("num_drafts must be >= 0", [k for k in ks if k < 0])
-    D = sum(ks)
-    if R != D + B:
-        raise SamplerInputError(f"target_logits has {R} rows, expected sum(num_drafts + 1) = {D + B}")
-    if tuple(draft_token_ids.shape) != (D,) or _is_float(draft_token_ids):
-        raise SamplerInputError(f"draft_token_ids must be integer [{D}], got {draft_token_ids.dtype} "
-                                f"{list(draft_token_ids.shape)}")
-    _check_draft_probs(draft_probs, D, V)
-
     temp = _column("temperature", temperature, B, np.float32)
     top_k, top_p = _column("top_k", top_k, B, np.int64), _column("top_p", top_p, B, np.float32)
-    seed, pos = _column("seed", seed, B, np.int64), _column("positions", positions, B, np.int64)
+    seed = _column("seed", seed, B, np.int64)
     temps, top_ks, top_ps = temp.tolist(), top_k.tolist(), top_p.tolist()
     _fail_if_any("temperature must be finite and >= 0", [t for t in temps if not 0 <= t < math.inf])
     _fail_if_any("top_k must be >= 0", [k for k in top_ks if k < 0])
     _fail_if_any("top_p must be in (0, 1]", [p for p in top_ps if not 0 < p <= 1])
-    _fail_if_any("positions must be in [0, 2**32 - max k)",
-                 [p for p, k in zip(pos.tolist(), ks, strict=True) if not 0 <= p < 2**32 - k])
     max_drafts = max(ks, default=0)
     rates = None
     if synthetic_acceptance is not None:
@@ -183,19 +224,48 @@ def prepare_batch(
     filtering = [t > 0 and (0 < k < V or p < 1) for t, k, p in zip(temps, top_ks, top_ps, strict=True)]
     # Decided on the host, so a batch that does not filter never waits for the device.
     filters = _filter_columns(filtering, row_request, temp, top_k, top_p, V) if any(filtering) else []
+    moved = _to_device([cu_drafts, row_request, temp, seed, rates, *filters], torch.device(device))
+    return SamplerColumns(tuple(ks), V, torch.device(device), *moved[:5], moved[5:])
+
+
+def batch_with(columns: SamplerColumns, target_logits: torch.Tensor, draft_token_ids: HostColumn,
+               draft_probs: DraftProbs | None, positions: HostColumn) -> SamplerBatch:
+    """The round's SamplerBatch: `columns` (prepare_columns, for these logits' device and vocabulary) with
+    the round's logits, drafts and positions, checked against them and moved to the device."""
+    _check_logits(target_logits)
+    R, V = target_logits.shape
+    if columns.vocab_size != V or columns.device != target_logits.device:
+        raise SamplerInputError(f"the columns were prepared for {columns.vocab_size} logits on "
+                                f"{columns.device}, got {V} on {target_logits.device}")
+    ks = columns.num_drafts
+    B, D = len(ks), sum(ks)
+    if R != D + B:
+        raise SamplerInputError(f"target_logits has {R} rows, expected sum(num_drafts + 1) = {D + B}")
+    if tuple(draft_token_ids.shape) != (D,) or _is_float(draft_token_ids):
+        raise SamplerInputError(f"draft_token_ids must be integer [{D}], got {draft_token_ids.dtype} "
+                                f"{list(draft_token_ids.shape)}")
+    _check_draft_probs(draft_probs, D, V)
+    pos = _column("positions", positions, B, np.int64)
+    _fail_if_any("positions must be in [0, 2**32 - max k)",
+                 [p for p, k in zip(pos.tolist(), ks, strict=True) if not 0 <= p < 2**32 - k])
     q = None if draft_probs is None or D == 0 else (
         draft_probs.probs, None if draft_probs.is_dense else draft_probs.indices.long(), draft_probs.values)
     ids = draft_token_ids.long() if isinstance(draft_token_ids, torch.Tensor) else \
         draft_token_ids.astype(np.int64, copy=False)
-    moved = _to_device([ids, cu_drafts, row_request, temp, seed, pos, rates, *(q or ()), *filters],
-                       target_logits.device)
-    draft_ids, cu_drafts, row_request, temp, seed, pos, rates = moved[:7]
+    moved = _to_device([ids, pos, *(q or ())], target_logits.device)
     return SamplerBatch(
-        logits=target_logits, draft_ids=draft_ids, cu_drafts=cu_drafts, row_request=row_request,
-        max_drafts=max_drafts, draft_probs=DraftProbs(*moved[7:10]) if q else None, temperature=temp,
-        seed=seed, positions=pos, synthetic=rates,
-        thresholds=logit_thresholds(target_logits, *moved[-4:]) if filters else None,
+        logits=target_logits, draft_ids=moved[0], cu_drafts=columns.cu_drafts,
+        row_request=columns.row_request, max_drafts=max(ks, default=0),
+        draft_probs=DraftProbs(*moved[2:5]) if q else None,
+        temperature=columns.temperature, seed=columns.seed, positions=moved[1], synthetic=columns.synthetic,
+        thresholds=logit_thresholds(target_logits, *columns.filters) if columns.filters else None,
     )
+
+
+def _check_logits(target_logits: torch.Tensor) -> None:
+    if target_logits.dim() != 2 or not target_logits.dtype.is_floating_point:
+        raise SamplerInputError(f"target_logits must be a 2-D float tensor, got {target_logits.dtype} "
+                                f"{list(target_logits.shape)}")
 
 
 def _is_float(t: HostColumn) -> bool:

@@ -114,7 +114,7 @@ def _bad_requests(requests: list[int]) -> SamplerInputError:
 
 @dataclass(frozen=True)
 class SamplerBatch:
-    """Validated inputs on the logits' device (built by rejection_sampler.prepare_batch)."""
+    """Validated inputs on the logits' device (built by rejection_sampler.batch_with)."""
 
     logits: torch.Tensor  # [R, V] float, R = sum(k_b + 1)
     draft_ids: torch.Tensor  # [D] int64

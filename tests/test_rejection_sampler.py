@@ -25,7 +25,9 @@ from specwire.kernels.philox import philox4x32, philox_uniforms  # noqa: E402
 from specwire.kernels.rejection_sampler import (  # noqa: E402
     DraftProbs,
     SamplerInputError,
+    prepare_columns,
     rejection_sample,
+    sample_with,
 )
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
@@ -602,6 +604,30 @@ def test_input_dtypes_and_columns_agree(backend):
         if q is not None and not q.is_dense:
             narrow["draft_probs"] = DraftProbs.sparse(q.indices.int(), q.values)
         assert rejection_sample(**narrow, backend=backend, defer_check=True).token_lists() == out
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=on_interpreter)])
+def test_columns_prepared_once_serve_every_round(backend):
+    """A serving loop prepares a batch's per-request columns once (prepare_columns) and samples round after
+    round with new logits, drafts and positions (sample_with): each round gives what rejection_sample gives
+    from scratch, filtered and seeded rows included. Columns that do not fit the round are refused."""
+    first = make_batch(6, 50, 3, "sparse", seed=4, filter_frac=0.5, fixed_k=True)
+    columns = prepare_columns(first["num_drafts"], first["temperature"], first["top_k"], first["top_p"],
+                              first["seed"], 50, torch.device("cpu"))
+    for seed in range(4):  # the same columns, new rounds (make_batch draws the columns from other streams)
+        again = make_batch(6, 50, 3, "sparse", seed=10 + seed, filter_frac=0.5, fixed_k=True)
+        round_ = {**first, **{k: again[k] for k in ("target_logits", "draft_token_ids", "draft_probs")},
+                  "positions": first["positions"] + 7 * seed}
+        want = rejection_sample(**round_, backend=backend, defer_check=True).token_lists()
+        got = sample_with(columns, round_["target_logits"], round_["draft_token_ids"], round_["draft_probs"],
+                          round_["positions"], backend=backend, defer_check=True).token_lists()
+        assert got == want
+    with pytest.raises(SamplerInputError, match="prepared for 50 logits"):
+        sample_with(columns, torch.randn(24, 51), first["draft_token_ids"], None, first["positions"])
+    with pytest.raises(SamplerInputError, match="rows"):
+        sample_with(columns, first["target_logits"][1:], first["draft_token_ids"], None, first["positions"])
+    with pytest.raises(SamplerInputError, match="positions"):
+        sample_with(columns, first["target_logits"], first["draft_token_ids"], None, -first["positions"] - 1)
 
 
 # ------------------------------------------------------------------------ Triton kernel == reference (CPU)

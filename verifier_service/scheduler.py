@@ -41,7 +41,7 @@ from typing import NamedTuple, Protocol
 
 import numpy as np
 import torch
-from specwire.kernels.rejection_sampler import SampleOutput, rejection_sample
+from specwire.kernels.rejection_sampler import SampleOutput, SamplerColumns, prepare_columns, sample_with
 from specwire.verifier.alignment import (
     AlignedResult,
     BatchDrafts,
@@ -294,6 +294,9 @@ class Scheduler:
         self._sitting_out = False  # its rows sat the last round out (_beside_device_drafts)
         self._queued_drafts: QueuedDrafts | None = None  # serial mode's, queued behind the last sampler
         self._ahead: _Ahead | None = None  # the next verification, its forward queued already
+        # The sampler's per-request columns on the device, kept while the batch keeps its rows (the very
+        # requests, in order) and their draft counts: each round then moves only drafts and positions.
+        self._columns: tuple[tuple, SamplerColumns] | None = None
         # Whether serial drafts may be queued behind the sampler where the link can (a remote link can once
         # its drafter maps the features): asked for, or by default where the link says so and features
         # live on a GPU.
@@ -1311,18 +1314,22 @@ class Scheduler:
         def column(values: list, dtype: type) -> np.ndarray:  # numpy: no torch call per column
             return np.array(values, dtype=dtype)
 
-        return rejection_sample(  # draft ids and q, on the host or a drafter's device: the sampler moves them
-            logits,
+        # Requests compare by identity, and the key holds them: no other request can match it.
+        key = (*requests, *batch.num_drafts)
+        if self._columns is None or self._columns[0] != key:
+            self._columns = key, prepare_columns(
+                column(batch.num_drafts, np.int32),
+                column([r.params.temperature for r in requests], np.float32),
+                column([r.params.top_k for r in requests], np.int32),
+                column([r.params.top_p for r in requests], np.float32),
+                column([r.seed for r in requests], np.int64),
+                self.vocab_size, logits.device, rates_tensor(self.config.forced_acceptance))
+        return sample_with(  # draft ids and q, on the host or a drafter's device: the sampler moves them
+            self._columns[1], logits,
             column([t for d in batch.token_ids for t in d], np.int64) if batch.on_device is None
             else batch.on_device,
-            column(batch.num_drafts, np.int32),
             batch.probs,
-            column([r.params.temperature for r in requests], np.float32),
-            column([r.params.top_k for r in requests], np.int32),
-            column([r.params.top_p for r in requests], np.float32),
-            column([r.seed for r in requests], np.int64),
             column([len(r.tokens) for r in requests], np.int64),
-            synthetic_acceptance=rates_tensor(self.config.forced_acceptance),
             defer_check=True,  # no wait for the device until the one copy back, which also checks
         )
 
