@@ -147,7 +147,7 @@ def sample_with(
 ) -> SampleOutput:
     """rejection_sample with the per-request columns prepared already (prepare_columns): a serving loop
     whose batch keeps its rows and draft counts from round to round builds them once, and each round moves
-    only its drafts and positions (bench/results/session43/)."""
+    only its drafts and positions."""
     return _sample(batch_with(columns, target_logits, draft_token_ids, draft_probs, positions), backend,
                    defer_check)
 
