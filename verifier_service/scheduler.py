@@ -1323,7 +1323,7 @@ class Scheduler:
                 column([r.params.top_k for r in requests], np.int32),
                 column([r.params.top_p for r in requests], np.float32),
                 column([r.seed for r in requests], np.int64),
-                self.vocab_size, logits.device, rates_tensor(self.config.forced_acceptance))
+                logits.shape[1], logits.device, rates_tensor(self.config.forced_acceptance))
         return sample_with(  # draft ids and q, on the host or a drafter's device: the sampler moves them
             self._columns[1], logits,
             column([t for d in batch.token_ids for t in d], np.int64) if batch.on_device is None
