@@ -20,9 +20,10 @@ import time
 
 import numpy as np
 import torch
+from specwire.kernels.ops import follow_sampler, follow_sampler_ref
 from specwire.kernels.rejection_sampler import prepare_columns, rejection_sample, sample_with
 
-from specwire.engine import TargetEngine, device_and_dtype, follow_sampler, follow_sampler_ref
+from specwire.engine import TargetEngine, device_and_dtype
 from specwire.model_source import load_model
 
 
@@ -60,8 +61,9 @@ def rounds(engine: TargetEngine, batch: int, k: int, n: int, synced: bool) -> di
         t1s = time.perf_counter()
         sampled = rejection_sample(out.logits, *columns(batch, k, [position + 1] * batch), defer_check=True)
         t2 = time.perf_counter()
-        cols = columns(batch, k, [position + 1] * batch)  # (as the scheduler builds drafts and positions)
-        sample_with(prepared, out.logits, cols[0], None, cols[7], defer_check=True)
+        # Only drafts and positions are built each round, as the scheduler does with its columns prepared
+        drafts, positions = np.full(batch * k, 7, np.int64), np.full(batch, position + 1, np.int64)
+        sample_with(prepared, out.logits, drafts, None, positions, defer_check=True)
         t2c = time.perf_counter()
         follow_sampler(ids, starts, sampled.packed, engine.config.vocab_size)
         t2f = time.perf_counter()

@@ -1,6 +1,6 @@
-"""engine.follow_sampler in one launch: each row of a verification's inputs continues where a sampler left it.
+"""ops.follow_sampler in one launch: each row of a verification's inputs continues where a sampler left it.
 
-As the torch reference (engine.follow_sampler_ref), which is seven launches and about 0.14 ms of host time a
+As the torch reference (ops.follow_sampler_ref), which is seven launches and about 0.14 ms of host time a
 round on an H100 host (bench/results/session43/): ids[b, 0] = the last token the sampler emitted for row b,
 positions[b] += how many it emitted, both clamped so that a row the sampler marked bad feeds a valid id.
 """

@@ -1,4 +1,5 @@
-"""Llama layer ops: Triton kernels on CUDA, plain-PyTorch references elsewhere.
+"""Llama layer ops, and the engine's feed of rows from a sampler: Triton kernels on CUDA, plain-PyTorch
+references elsewhere.
 
 Each public op dispatches to its Triton kernel when the input lives on CUDA and SPECWIRE_TORCH_OPS is not
 "1"; otherwise it runs the `*_ref` function beside it. The references are the CPU path and the test oracle.
@@ -13,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 try:  # CPU-only installs may lack Triton; they run the references.
-    from specwire.kernels import activation_triton, attention_triton, norm_triton, rope_triton
+    from specwire.kernels import activation_triton, attention_triton, follow_triton, norm_triton, rope_triton
 
     _HAVE_TRITON = True
 except ImportError:
@@ -125,6 +126,14 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
     return (F.silu(gate) * up).to(x.dtype)
 
 
+def follow_sampler_ref(ids: torch.Tensor, positions: torch.Tensor, packed: torch.Tensor, vocab_size: int
+                       ) -> None:
+    rows = packed.shape[0]
+    count = packed[:, :1].clamp(1, packed.shape[1] - 1)
+    ids[:rows, :1].copy_(packed.gather(1, count).clamp_(0, vocab_size - 1))
+    positions[:rows].add_(count.view(-1).to(positions.dtype))
+
+
 # --------------------------------------------------------------------------------------------- public ops
 
 
@@ -188,3 +197,15 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if _triton_enabled(x):
         return activation_triton.silu_and_mul(x)
     return silu_and_mul_ref(x)
+
+
+def follow_sampler(ids: torch.Tensor, positions: torch.Tensor, packed: torch.Tensor, vocab_size: int) -> None:
+    """Rows that continue where a sampler left them, set on the device without a wait for the host:
+    ids[b, 0] = the last token the sampler emitted for row b and positions[b] += how many it emitted
+    (packed [B, 2 + k]: count, then the tokens, as SampleOutput holds them). Clamped, so that a row the
+    sampler marked bad (count -1, which fails that round on the host) feeds a valid id. On CUDA one launch
+    (follow_triton) on the current device: the engine's steps run in device_scope."""
+    if _triton_enabled(packed):
+        follow_triton.follow(ids, positions, packed, vocab_size)
+    else:
+        follow_sampler_ref(ids, positions, packed, vocab_size)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import bisect
 import contextlib
 import functools
-import os
 import secrets
 import time
 from collections import deque
@@ -19,17 +18,13 @@ import torch
 
 from specwire import round_trace
 from specwire.config import ModelConfig
+from specwire.kernels.ops import follow_sampler
 from specwire.kernels.rejection_sampler import rejection_sample
 from specwire.model import KVCache, LlamaModel, ModelOutput
 from specwire.model_source import load_model
 from specwire.sampling_params import SamplingParams
 from specwire.staging import TORCH_DTYPES, HostArray, StagedInputs, host_array, upload
 from specwire.tokenizer import IncrementalDetokenizer, Tokenizer
-
-try:  # CPU-only installs may lack Triton; they run the reference.
-    from specwire.kernels import follow_triton
-except ImportError:
-    follow_triton = None
 
 DTYPES = {
     "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
@@ -221,28 +216,6 @@ def write_drafts(ids: torch.Tensor, counts: Sequence[int], drafts: torch.Tensor)
         return
     flat = torch.tensor([b * ids.shape[1] + j for b, n in enumerate(counts) for j in range(1, n)])
     ids.view(-1).index_copy_(0, upload(flat, ids.device), drafts)
-
-
-def follow_sampler(ids: torch.Tensor, positions: torch.Tensor, packed: torch.Tensor, vocab_size: int) -> None:
-    """Rows that continue where a sampler left them, set on the device without a wait for the host:
-    ids[b, 0] = the last token the sampler emitted for row b and positions[b] += how many it emitted
-    (packed [B, 2 + k]: count, then the tokens, as SampleOutput holds them). Clamped, so that a row the
-    sampler marked bad (count -1, which fails that round on the host) feeds a valid id. One Triton launch on
-    CUDA (follow_triton; on the current device: the engine's steps run in device_scope), the reference
-    elsewhere."""
-    if follow_triton is not None and packed.is_cuda and os.environ.get("SPECWIRE_TORCH_OPS") != "1":
-        follow_triton.follow(ids, positions, packed, vocab_size)
-        return
-    follow_sampler_ref(ids, positions, packed, vocab_size)
-
-
-def follow_sampler_ref(ids: torch.Tensor, positions: torch.Tensor, packed: torch.Tensor, vocab_size: int
-                       ) -> None:
-    """follow_sampler in plain PyTorch: the CPU path and the kernel's test oracle."""
-    rows = packed.shape[0]
-    count = packed[:, :1].clamp(1, packed.shape[1] - 1)
-    ids[:rows, :1].copy_(packed.gather(1, count).clamp_(0, vocab_size - 1))
-    positions[:rows].add_(count.view(-1).to(positions.dtype))
 
 
 # forward(input_ids [B, T], start_pos [B], num_tokens [B], slots [B], logits_index [B] or None): a captured

@@ -3,9 +3,10 @@ CUDA-graph inputs go over from one pinned block, and reads back to the host thro
 
 import pytest
 import torch
+from specwire.kernels.ops import follow_sampler_ref
 from test_engine import close, tiny_checkpoint
 
-from specwire.engine import TargetEngine, follow_sampler_ref
+from specwire.engine import TargetEngine
 from specwire.staging import Readback, read_back
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
