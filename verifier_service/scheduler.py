@@ -1172,21 +1172,21 @@ class Scheduler:
         round_trace.mark("v.wants")
         announced = settled = False
         try:
-            if queue:  # told before the sampler's launch: the drafter queues its drafting (its GPU waits for
-                # this sampler's number) while this thread launches the sampler and writes the features; told
-                # after them, its GPU waited for the step to come (session 44, bench/results/session44/)
-                T = self.link.info.max_num_drafts + 1
-                cells = [c for i in queue for c in store.cells(live[i].slot, starts[i], T)]
-                shape = (len(live) + len(carry), max(sampling.num_drafts, default=0) + 2)  # sampler packed
-                announced = self.link.announce_drafts([live[i].id for i in queue], wants, queue, store.flat,
-                                                      cells, shape)
-                round_trace.mark("v.announced")
             # The sampler is queued right behind the forward: the device runs it while the host writes
             # features (session 40's round marks: that host work outlasted the forward, and the device waited
             # for the sampler's launch).
             sampled = self._sample(out.logits, [*live, *carry], sampling)
             self._clock.verification_ended()
             round_trace.mark("v.sampler_queued")
+            if queue:  # told before the features are written: the drafter queues its drafting (its GPU waits
+                # for this sampler's number) meanwhile; told after them, its GPU waited for the step to come
+                # (session 44, bench/results/session44/)
+                T = self.link.info.max_num_drafts + 1
+                cells = [c for i in queue for c in store.cells(live[i].slot, starts[i], T)]
+                shape = (len(live) + len(carry), max(sampling.num_drafts, default=0) + 2)  # sampler packed
+                announced = self.link.announce_drafts([live[i].id for i in queue], wants, queue, store.flat,
+                                                      cells, shape)
+                round_trace.mark("v.announced")
             # Every fed row's features start towards the drafter now: into the store (rows of rejected drafts
             # are rewritten next round), or to the host, where the settled rows are picked once the sampler
             # has said how many there are. Either way before the tokens' readback: a row goes to a drafter
