@@ -1167,38 +1167,35 @@ class Scheduler:
             carry, starts, out = [], ahead.starts, ahead.out
         sampling = batch if not carry else BatchDrafts(  # a carried prompt's last token: a row without drafts
             [*batch.token_ids, *([] for _ in carry)], batch.probs, batch.on_device)
+        # The sampler is queued right behind the forward: the device runs it while the host writes features
+        # and tells the drafter (session 40's round marks: that host work outlasted the forward, and the
+        # device waited for the sampler's launch).
+        sampled = self._sample(out.logits, [*live, *carry], sampling)
+        self._clock.verification_ended()
+        round_trace.mark("v.sampler_queued")
+        # Every fed row's features start towards the drafter now: into the store (rows of rejected drafts are
+        # rewritten next round), or to the host, where the settled rows are picked once the sampler has said
+        # how many there are. Either way before the tokens' readback: a row goes to a drafter once the host
+        # has the tokens that settle it.
         store = self._store  # the loop may replace it meanwhile (a new drafter stream): this launch keeps one
+        if store is not None:
+            fed = [*zip(live, starts, batch.num_drafts, strict=True),
+                   *((r, 0, len(r.prompt) - 1) for r in carry)]  # a prompt: as a row of len - 1 drafts
+            store.write(out.hidden, out.aux_hidden, [r.slot for r, _, k in fed for _ in range(k + 1)],
+                        [start + j for _, start, k in fed for j in range(k + 1)])
+        elif self.link is not None:
+            self._readback.start(feature_table(out.hidden, out.aux_hidden))
+        round_trace.mark("v.forward_queued")
         queue, wants = list(queue), [self._want_for(live[i], self._num_drafts(live[i])) for i in queue]
         round_trace.mark("v.wants")
         announced = settled = False
         try:
-            # The sampler is queued right behind the forward: the device runs it while the host writes
-            # features (session 40's round marks: that host work outlasted the forward, and the device waited
-            # for the sampler's launch).
-            sampled = self._sample(out.logits, [*live, *carry], sampling)
-            self._clock.verification_ended()
-            round_trace.mark("v.sampler_queued")
-            if queue:  # told before the features are written: the drafter queues its drafting (its GPU waits
-                # for this sampler's number) meanwhile; told after them, its GPU waited for the step to come
-                # (session 44, bench/results/session44/)
+            if queue:  # a drafter's GPU waits for the sampler's output, already queued
                 T = self.link.info.max_num_drafts + 1
                 cells = [c for i in queue for c in store.cells(live[i].slot, starts[i], T)]
                 shape = (len(live) + len(carry), max(sampling.num_drafts, default=0) + 2)  # sampler packed
                 announced = self.link.announce_drafts([live[i].id for i in queue], wants, queue, store.flat,
                                                       cells, shape)
-                round_trace.mark("v.announced")
-            # Every fed row's features start towards the drafter now: into the store (rows of rejected drafts
-            # are rewritten next round), or to the host, where the settled rows are picked once the sampler
-            # has said how many there are. Either way before the tokens' readback: a row goes to a drafter
-            # once the host has the tokens that settle it.
-            if store is not None:
-                fed = [*zip(live, starts, batch.num_drafts, strict=True),
-                       *((r, 0, len(r.prompt) - 1) for r in carry)]  # a prompt: as a row of len - 1 drafts
-                store.write(out.hidden, out.aux_hidden, [r.slot for r, _, k in fed for _ in range(k + 1)],
-                            [start + j for _, start, k in fed for j in range(k + 1)])
-            elif self.link is not None:
-                self._readback.start(feature_table(out.hidden, out.aux_hidden))
-            round_trace.mark("v.forward_queued")
             if announced:  # the tokens come back as soon as the sampler is done, while the drafts are drafted
                 self._tokens_back.start(sampled.packed)
                 store.ready()
