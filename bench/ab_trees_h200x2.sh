@@ -48,6 +48,6 @@ for round in $(seq "${ROUNDS:-2}"); do
     done
 done
 # A call brings back at most 8 files: each run's folder travels as one archive.
-for dir in "$OUT"/before_* "$OUT"/after_*; do
-    [ -d "$dir" ] && tar -czf "$dir.tgz" -C "$OUT" "$(basename "$dir")" && rm -rf "$dir"
+for dir in "$OUT"/before_* "$OUT"/after_*; do  # (archives an earlier call left in $OUT match too: skipped)
+    if [ -d "$dir" ]; then tar -czf "$dir.tgz" -C "$OUT" "$(basename "$dir")" && rm -rf "$dir"; fi
 done
