@@ -2,7 +2,9 @@
 the Triton launch, engine.follow_sampler, engine.write_drafts, then rejection_sample whole; medians of 350
 calls at batch 1, 16 and 64, SmolLM2's vocabulary, k = 4; then a cProfile of 300 sampler + follow calls.
 Run from a tree's root after `source bench/device_env.sh` (session 43 ran it on one H100 and on 2 x H200,
-against dfe6bf6's tree in the same call; reformatted for ruff after the runs, same statements)."""
+against dfe6bf6's tree in the same call; reformatted for ruff after the runs, same statements). The trees it
+ran on had follow_sampler in specwire.engine; since 2e6006d it is in specwire.kernels.ops, so at later trees
+the import below must name that module."""
 
 import cProfile
 import io
