@@ -15,7 +15,7 @@ float32 buffers owned here and written by replay.
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -110,6 +110,7 @@ class _Branch:
     accepted: int
     bonus: int
     token_ids: list[int]
+    row: int  # its row among the request's max_branches rows of the branch loop's outputs
 
 
 @dataclass
@@ -121,6 +122,11 @@ class _Request:
     branches: list[_Branch] = field(default_factory=list)  # the last table drafted for this request
     verifying: list[int] = field(default_factory=list)  # drafts (target ids) the verifier checks now
     chain: list[int] | None = None  # the drafts of a propose(keep_chain=True), while nothing settled since
+    # Where its last table's rows start in the branch loop's outputs, which table call drafted it and with
+    # how many drafts a branch (a queued lookup reads it there only while no other call has drafted since).
+    table_at: int = -1
+    table_call: int = 0
+    table_drafts: int = 0
 
     @property
     def num_pending(self) -> int:
@@ -182,10 +188,11 @@ class EagleProposer:
         self._inputs = StagedInputs({
             "meta": ((5, n), torch.int32), "temperature": ((n,), torch.float32),
             "input_ids": ((n, T), torch.int64), "feature_cells": ((n * T,), torch.int64),
-            "settled_rows": ((n,), torch.int64), "features": ((n, T, head.config.feature_dim), head.dtype),
+            "settled_rows": ((n,), torch.int64), "table_rows": ((n,), torch.int64),
+            "features": ((n, T, head.config.feature_dim), head.dtype),
         }, dev)
         (self._meta, self._temperature, self._input_ids, self._feature_cells, self._settled_rows,
-         self._features) = self._inputs.tensors.values()
+         self._table_rows, self._features) = self._inputs.tensors.values()
         self._queued: tuple | None = None  # queue_after_verification's rows, until take_queued
         self._settled_counts = torch.zeros(0, dtype=torch.int64)  # its rows' settled counts, on the device
         # Outputs, written by every (replayed) run: the proposer's own float32 buffers.
@@ -357,6 +364,9 @@ class EagleProposer:
         num_drafts: list[int],
         temperature: list[float],
         top_k: list[int],
+        num_branches: list[int] | None = None,
+        forced_hit_rate: float | None = None,
+        publish: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
     ) -> None:
         """Serial drafting that never returns to the host between a verification and its next drafts: the
         draft of the tokens a verification settles is queued on the device right behind its sampler, before
@@ -368,18 +378,34 @@ class EagleProposer:
         (max_drafts + 1) + j] its row holding the target feature before request b's j-th settled token (rows
         past what settles are read and ignored). A request must have nothing pending: its last tokens were
         drafted from (propose, or a queue taken). num_drafts as propose's, clipped so that any number of
-        settled tokens fits the context."""
+        settled tokens fits the context.
+
+        num_branches (greedy rows, a drafter with branch slots): tables ahead. Each request's table, drafted
+        by the last take_queued while this verification ran, is looked up on the device first, from the
+        sampler's output: if every request's outcome is in its table, those branches' drafts are the
+        round's, ready before the serial drafting has run, and publish(drafts [B, max_drafts], all_hit
+        [bool]) may queue them out at once, behind the lookup (a device-side condition: the host learns it
+        in take_queued). The serial drafting runs all the same (it keeps its chain for the next table) and
+        its drafts are the round's when some request missed. forced_hit_rate (synthetic benchmarks, whose
+        random heads hit nothing): a request whose table has a branch for the number of drafts accepted
+        takes the likeliest of them at this rate, as if its bonus token were that branch's."""
         B, T = len(request_ids), self._T
         requests = self._checked(request_ids, num_drafts, temperature, top_k)
-        if not len(rows) == B or len(feature_cells) != B * T:
-            raise ProposerError(f"rows and feature_cells need {B} and {B * T} entries, got {len(rows)} and "
-                                f"{len(feature_cells)}")
+        tables = num_branches is not None
+        if not len(rows) == B or len(feature_cells) != B * T or (tables and len(num_branches) != B):
+            raise ProposerError(f"rows, feature_cells and num_branches need {B}, {B * T} and {B} entries, "
+                                f"got {len(rows)}, {len(feature_cells)} and {len(num_branches or ())}")
+        greedy = all(t == 0 for t in temperature)
+        if tables and not (self.max_branches and greedy and not self.min_confidence):
+            raise ProposerError("tables ahead need branch slots (max_branches > 0), greedy rows and fixed "
+                                "draft counts (min_confidence 0)")
         if pending := [rid for rid, r in zip(request_ids, requests, strict=True) if r.num_pending]:
             raise ProposerError(f"request {pending[0]!r} has tokens pending: not drafted on the device")
         if B == 0:
             return
-        for r in requests:
-            self._take_branch(r, None)
+        if not tables:  # (with tables, the branches stay until take_queued knows which one was checked)
+            for r in requests:
+                self._take_branch(r, None)
         ks = [max(0, min(k, self.max_context - r.num_cached - T + 1))
               for r, k in zip(requests, num_drafts, strict=True)]
         size = next((s for s in self.graph_sizes if s >= B), B)
@@ -389,8 +415,15 @@ class EagleProposer:
         host["input_ids"][:size] = 0
         host["feature_cells"][:B * T] = feature_cells
         host["settled_rows"][:B] = rows
+        if tables:  # a table is looked up only where it is the last call's and drafted as many as asked now
+            host["table_rows"][:B] = [r.table_at if r.table_call == self._table_calls and r.table_drafts == k
+                                      else -1 for r, k in zip(requests, ks, strict=True)]
         self._inputs.send("features", 0)
         mine = settled.to(self.device, non_blocking=True).index_select(0, self._settled_rows[:B])
+        if tables:
+            self._look_up_tables(mine, forced_hit_rate)
+            if publish is not None:
+                publish(self._hit_drafts[:B], self._all_hit)
         width = min(T, mine.shape[1] - 1)
         self._meta[self._PENDING, :B] = mine[:, 0].clamp(0, T)
         self._input_ids[:B, :width] = mine[:, 1:1 + width].clamp_min(0)  # -1 pads past the settled ones
@@ -408,12 +441,39 @@ class EagleProposer:
                 self._features[b, :rows].copy_(features[first:first + rows], non_blocking=True)
         sampled = [tk for t, tk, k in zip(temperature, top_k, ks, strict=True) if t > 0 and k > 0]
         mode = "greedy" if not sampled else "top_k" if all(sampled) else "full"
-        graph = self.graphs.get((size, mode))
+        graph = self.graphs.get((size, f"chain_{mode}" if tables else mode))
         if graph is not None:
             graph.replay()
         else:
-            self._draft_loop(size, mode, steps=max(ks))
-        self._queued = (requests, ks, temperature, top_k)
+            self._draft_loop(size, mode, steps=max(ks), keep_chain=tables)
+        if tables:  # the round's drafts: the tables' where every request hit (as publish sent them)
+            self._tokens[:B].copy_(torch.where(self._all_hit, self._hit_drafts[:B], self._tokens[:B]))
+        self._queued = (request_ids, requests, num_drafts, ks, temperature, top_k, num_branches)
+
+    def _look_up_tables(self, settled: torch.Tensor, forced_hit_rate: float | None) -> None:
+        """Per queued request b (settled[b]: its sampler row), the branch of its table (_table_rows[b]: where
+        its rows start, -1 none) whose outcome settled: a accepted drafts and bonus token c in row b's
+        packed tokens. Leaves in _hit_index[b] its row among the request's (-1: a miss), in _hit_drafts[b]
+        its drafts, and in _all_hit whether every request hit. All on the device."""
+        B, N = settled.shape[0], self.max_branches
+        first = self._table_rows[:B]
+        cells = (first[:, None] + torch.arange(N, device=self.device)).clamp_min(0)  # [B, N]
+        count = settled[:, 0]
+        bonus = settled.gather(1, count.clamp(1, settled.shape[1] - 1)[:, None])
+        # a branch the table holds: drafted (a slot of its own) and possible (score > 0), as _branch_tables
+        held = (first[:, None] >= 0) & (self._branch_slots.view(-1)[cells] != self.cache.trash_slot)
+        held &= self._br_score[cells] > 0
+        same_count = held & (self._br_accepted[cells] == count[:, None] - 1)
+        found = same_count & (self._br_bonus[cells] == bonus)
+        hit = found.any(1)
+        # the first match: rows are in the order the table scored them, so a forced hit takes the likeliest
+        pick = torch.where(hit, found.int().argmax(1), same_count.int().argmax(1))
+        if forced_hit_rate is not None:
+            draws = torch.rand(B, generator=self._forcing, device=self.device)
+            hit = hit | (same_count.any(1) & (draws < forced_hit_rate))
+        self._hit_index[:B] = torch.where(hit, pick, -1)
+        self._all_hit.copy_(hit.all())
+        self._hit_drafts[:B] = self._br_tokens[cells.gather(1, pick[:, None])[:, 0]]
 
     def queued_drafts(self, n: int) -> torch.Tensor:
         """The draft ids of the last queue_after_verification's n requests, [n, max_drafts] on this device, as
@@ -429,15 +489,56 @@ class EagleProposer:
         """The drafts queued by queue_after_verification (waits for them), once the host has read how many
         tokens each request settled (its sampler count, 0 for a failed row): those tokens are committed.
         on_device: the draft ids stay on this device as well, not waited for (unless dynamic depth must
-        read how many are confident)."""
+        read how many are confident). With tables ahead, the next tables are drafted before this returns
+        (last_hits: how many requests hit; tables_served: whether the drafts are the tables')."""
         if self._queued is None:
             return self._empty_proposal()
-        (requests, ks, temperature, top_k), self._queued = self._queued, None
+        (request_ids, requests, num_drafts, ks, temperature, top_k, num_branches), self._queued = (
+            self._queued, None)
         if len(counts) != len(requests):
             raise ProposerError(f"{len(counts)} counts for {len(requests)} queued requests")
+        if num_branches is not None:
+            return self._take_tables(request_ids, requests, counts, num_drafts, ks, num_branches, on_device)
         for r, n in zip(requests, counts, strict=True):
             r.num_cached += n
         return self._proposal(ks, temperature, top_k, on_device)
+
+    def _take_tables(self, request_ids: list[str], requests: list[_Request], counts: list[int],
+                     num_drafts: list[int], ks: list[int], num_branches: list[int], on_device: bool
+                     ) -> Proposal:
+        """take_queued with tables ahead: every request goes on from the drafts the verifier now checks (its
+        hit branch where all hit, else the serial chain, kept), and the tables for that check are drafted
+        from the settled tokens with the target's features."""
+        B, K = len(requests), self.max_drafts
+        columns = read_back(torch.cat([self._hit_index[:B, None], self._input_ids[:B], self._tokens[:B]], 1))
+        hit_rows, settled, drafts = columns[:, 0].tolist(), columns[:, 1:1 + self._T], columns[:, -K:]
+        features = self._features[:B].clone()  # the settled tokens' target features (the next load reuses it)
+        self.last_hits = sum(i >= 0 for i in hit_rows)
+        self.tables_served = self.last_hits == B
+        verifying, drafting = [], []
+        for b, (r, n) in enumerate(zip(requests, counts, strict=True)):
+            if n == 0:  # a failed row: nothing settled, no table
+                self._take_branch(r, None)
+                continue
+            if self.tables_served:  # its branch's slot holds the prefix and those drafts: commit all n
+                index = next(i for i, branch in enumerate(r.branches) if branch.row == hit_rows[b])
+                branch = r.branches[index]
+                # (a forced hit's bonus token is taken to be the branch's, as forcing at the verifier did)
+                r.pending_tokens = r.verifying[:branch.accepted] + [branch.bonus]
+                r.pending_features = [features[b, :n]]
+                verifying.append(index)
+            else:  # the chain's K/V follow the settled ones; the last settled pair is re-fed by the table
+                r.num_cached += n - 1
+                r.pending_tokens, r.pending_features = [int(settled[b, n - 1])], [features[b, n - 1:n]]
+                r.chain = drafts[b, :ks[b]].tolist()
+                verifying.append(VERIFYING_CHAIN)
+            drafting.append(b)
+        proposal = self._proposal(ks, [0.0] * B, [0] * B, on_device)
+        if drafting:
+            self.draft_branches([request_ids[b] for b in drafting], verifying,
+                                [num_branches[b] for b in drafting], [num_drafts[b] for b in drafting],
+                                [0.0] * len(drafting), [0] * len(drafting))
+        return proposal
 
     def _prefill_overflow(self, requests: list[_Request]) -> None:
         """Commit pending pairs beyond the graph's first-step width (new prompts), keeping one: cut into rows
@@ -628,10 +729,17 @@ class EagleProposer:
         self._br_top_idx = torch.zeros(rows, K, self.max_top_k, dtype=torch.int64, device=dev)
         self._br_top_q = torch.zeros(rows, K, self.max_top_k, dtype=torch.float32, device=dev)
         self._br_confident = torch.zeros(rows, dtype=torch.int64, device=dev)
+        # A queued round's lookup of the last tables (queue_after_verification with num_branches).
+        self._table_calls = 0  # draft_branches calls so far: only the last one's rows are in the outputs
+        self._hit_index = torch.zeros(n, dtype=torch.int64, device=dev)
+        self._hit_drafts = torch.zeros(n, K, dtype=torch.int64, device=dev)
+        self._all_hit = torch.zeros((), dtype=torch.bool, device=dev)
+        self._forcing = torch.Generator(device=dev).manual_seed(0)  # forced_hit_rate's draws
+        self.last_hits, self.tables_served = 0, False
 
     def _release_branches(self, request: _Request, keep: _Branch | None = None) -> None:
         self._free_slots += [b.slot for b in request.branches if b is not keep]
-        request.branches = []
+        request.branches, request.table_at = [], -1
 
     @staticmethod
     def _check_branch(request_id: str, request: _Request, index: int | None) -> None:
@@ -724,6 +832,9 @@ class EagleProposer:
         verifying_counts = [len(r.verifying) for r in requests] + [0] * (size - B)
         upload(torch.tensor(verifying_counts), self._num_verifying[:size])
         mode = "branch_greedy" if all(t == 0 for t in temperature) else "branch_top_k"
+        self._table_calls += 1
+        for b, (r, k, n) in enumerate(zip(requests, ks, counts, strict=True)):
+            r.table_at, r.table_call, r.table_drafts = b * N if n else -1, self._table_calls, k
         round_trace.mark("d.loaded")
         if (size, mode) in self.graphs:
             self.graphs[size, mode].replay()
@@ -848,7 +959,7 @@ class EagleProposer:
                     self._free_slots.append(slots[b][i])
                     continue
                 ids = tokens[:min(k, confident if self.min_confidence else k)]
-                r.branches.append(_Branch(slots[b][i], accepted, bonus, ids))
+                r.branches.append(_Branch(slots[b][i], accepted, bonus, ids, i))
                 q_idx = q_val = None
                 if t > 0 and ids:
                     n = len(ids)
