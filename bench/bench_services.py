@@ -95,7 +95,14 @@ DEFAULT_PROMPTS = Path(__file__).parent / "data" / "heldout_chat_sharegpt.jsonl"
 
 
 def hit_rate(text: str) -> HitRate:
-    return "off" if text.strip() == "off" else float(text)
+    """'off', a forced rate R, 'ahead' (tables ahead: queued serial drafting, tables looked up on the
+    drafter's GPU) or 'ahead:R' (their hits forced at rate R)."""
+    text = text.strip()
+    if text == "off" or text == "ahead":
+        return text
+    if text.startswith("ahead:"):
+        return f"ahead:{float(text.removeprefix('ahead:'))}"
+    return float(text)
 
 
 def cache_setting(text: str) -> HitRate:
@@ -133,7 +140,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hit-rates", type=csv(hit_rate), default=[0.8, "off"],
                    help="the synthetic workload's speculation cache, first = first measured: R = "
                         "--forced-hit-rate R (a random head never guesses the bonus token itself), 'off' = "
-                        "--cache-branches 0, serial drafting (default 0.8,off)")
+                        "--cache-branches 0, serial drafting, 'ahead:R' = that with --queued-tables 8 "
+                        "(tables ahead, looked up on the drafter's GPU) at forced hit rate R, 'ahead' = "
+                        "unforced (default 0.8,off)")
     p.add_argument("--smollm2-cache", type=csv(cache_setting), default=[None, "off"],
                    help="the smollm2 workload's speculation cache, first = first measured: on = "
                         "--cache-branches 8, off = --cache-branches 0, serial drafting, adaptive = "

@@ -99,9 +99,9 @@ def prefill_split(delta: Delta, wall: float) -> dict[str, float | None]:
 
 def cache_hit_rate(delta: Delta) -> dict[str, float | None] | None:
     """Speculation-cache lookups by result and the hit share of those with a table to look in (unasked: none
-    was asked for), what the drafts made just in time for requests without table drafts came to, and the
-    rounds by drafting mode (serial: an adaptive verifier's serial epochs); None when the verifier has no
-    cache."""
+    was asked for), the queued rounds whose drafts were tables ahead, what the drafts made just in time for
+    requests without table drafts came to, and the rounds by drafting mode (serial: an adaptive verifier's
+    serial epochs); None when the verifier has no cache."""
     family = "specwire_spec_cache_lookups_total"
     counts = {r: delta.get("verifier", f'{family}{{result="{r}"}}') for r in LOOKUP_RESULTS}
     if all(v is None for v in counts.values()):
@@ -113,6 +113,7 @@ def cache_hit_rate(delta: Delta) -> dict[str, float | None] | None:
                       for m in DRAFTING_MODES} for name in ("rounds", "round_seconds", "round_tokens")}
     rounds, seconds, tokens = by_mode["rounds"], by_mode["round_seconds"], by_mode["round_tokens"]
     return {**counts, "hit_rate": (counts["hit"] or 0.0) / total if total else None,
+            "tables_ahead_served": delta.get("verifier", "specwire_queued_tables_served_total"),
             "just_in_time": just_in_time, "rounds": rounds,
             "round_ms": {m: 1e3 * seconds[m] / rounds[m] if rounds[m] and seconds[m] is not None else None
                          for m in DRAFTING_MODES},

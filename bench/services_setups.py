@@ -30,7 +30,9 @@ SETUPS = ("two_gpus", "two_gpus_socket", "colocated", "colocated_two_gpus", "tar
 TWO_PROCESSES = ("two_gpus", "two_gpus_socket")  # the setups with a drafter process of their own
 COLOCATED = ("colocated", "colocated_two_gpus")  # the setups with the drafter in the verifier's process
 TWO_GPUS = (*TWO_PROCESSES, "colocated_two_gpus")  # the setups whose drafter runs on the drafter's device
-# a forced speculation-cache hit rate, "off" (no cache), "adaptive" (tables or serial, measured) or None
+# a forced speculation-cache hit rate, "off" (no cache), "adaptive" (tables or serial, measured), "ahead"
+# (queued serial drafting with tables ahead looked up on the drafter's GPU), "ahead:R" (the same, hits forced
+# at rate R) or None
 HitRate = float | str | None
 CACHE_BRANCHES = 8  # table entries per request of the setups with the speculation cache
 
@@ -130,13 +132,17 @@ class Fleet:
             drafter = self.devices.drafter if setup in TWO_GPUS else self.devices.verifier
             argv += ["--colocated", *(["--head", w.head] if w.head else []),
                      *(["--drafter-device", drafter] if drafter else [])]
+        ahead = isinstance(hit, str) and hit.startswith("ahead")
+        forced = float(hit.removeprefix("ahead:")) if ahead and ":" in hit else hit
         if setup != "target_only":
             argv += [*(["--forced-acceptance-length", str(length)] if length is not None else []),
                      # said either way: a co-located verifier's default is 0, a remote drafter's 8; and
                      # the drafting mode (a remote drafter's default: adaptive) fixed unless asked for
-                     "--cache-branches", "0" if hit == "off" else str(CACHE_BRANCHES),
+                     "--cache-branches", "0" if hit == "off" or ahead else str(CACHE_BRANCHES),
                      "--drafting-epoch", str(DEFAULT_EPOCH_ROUNDS) if hit == "adaptive" else "0",
-                     *(["--forced-hit-rate", str(hit)] if isinstance(hit, float) else []), *w.verifier_args]
+                     *(["--queued-tables", str(CACHE_BRANCHES)] if ahead else []),
+                     *(["--forced-hit-rate", str(forced)] if isinstance(forced, float) else []),
+                     *w.verifier_args]
         service = self._start(f"verifier-{w.name}-{setup}{role}-k{k}-L{length}-hit{hit}", argv)
         if setup in TWO_PROCESSES and not wait_drafter_connected(service.port, 120):
             self.stop(service)

@@ -194,6 +194,7 @@ class EagleProposer:
         (self._meta, self._temperature, self._input_ids, self._feature_cells, self._settled_rows,
          self._table_rows, self._features) = self._inputs.tensors.values()
         self._queued: tuple | None = None  # queue_after_verification's rows, until take_queued
+        self.last_hits, self.tables_served = 0, False  # the last take_queued's, with tables ahead
         self._settled_counts = torch.zeros(0, dtype=torch.int64)  # its rows' settled counts, on the device
         # Outputs, written by every (replayed) run: the proposer's own float32 buffers.
         self._tokens = torch.zeros(n, K, dtype=torch.int64, device=dev)
@@ -735,7 +736,6 @@ class EagleProposer:
         self._hit_drafts = torch.zeros(n, K, dtype=torch.int64, device=dev)
         self._all_hit = torch.zeros((), dtype=torch.bool, device=dev)
         self._forcing = torch.Generator(device=dev).manual_seed(0)  # forced_hit_rate's draws
-        self.last_hits, self.tables_served = 0, False
 
     def _release_branches(self, request: _Request, keep: _Branch | None = None) -> None:
         self._free_slots += [b.slot for b in request.branches if b is not keep]

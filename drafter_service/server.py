@@ -13,6 +13,7 @@ stream's updates then name rows of it instead of carrying feature bytes.
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 import time
@@ -134,6 +135,14 @@ class _SharedOutput:
         self.drafts.view(-1)[:n * width].view(n, width).copy_(drafts, non_blocking=True)
         write_value(self.drafted, sequence, torch.cuda.current_stream(drafts.device))
 
+    def publish_if(self, drafts: torch.Tensor, all_hit: torch.Tensor, sequence: int) -> None:
+        """As return_drafts, queued behind a table lookup, but done by this GPU only if all_hit is set."""
+        from specwire.kernels import publish_triton  # only on GPUs: CPU-only installs may lack Triton
+
+        n, width = drafts.shape
+        publish_triton.publish_if(drafts.contiguous(), self.drafts.view(-1)[:n * width], all_hit,
+                                  publish_triton.Address(self.drafted.address), sequence)
+
     def release_drafted(self, sequence: int) -> None:
         """From the host: the verifier's GPU reads whatever the buffer holds (a refused step)."""
         if self.drafted is not None and self.drafted.value < sequence:
@@ -188,6 +197,7 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
         self.settle_timeout = 10.0  # seconds a queued step waits for the verifier's sampler, then is dropped
         self._queued: list[str] = []  # keys of queue_drafts, until take_drafts
         self._queue_seconds = 0.0
+        self._tables_refused = False  # whether a step asked for tables ahead this drafter cannot draft
         self._profiler = StepProfiler("drafter")
         round_trace.start("drafter")
 
@@ -452,17 +462,30 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
         temperature = [max(w.temperature, 0.0) for w in wants]
         top_k = [min(w.top_k, self.proposer.max_top_k) if t > 0 else 0
                  for w, t in zip(wants, temperature, strict=True)]
+        branches = [w.num_branches for w in wants] if wants and all(w.num_branches for w in wants) else None
+        if branches and (not self.proposer.max_branches or self.proposer.min_confidence):
+            if not self._tables_refused:  # served as plain queued steps: said once
+                log.warning("tables ahead asked for, but this drafter has no branch slots (--max-branches "
+                            "0) or drafts to a confidence (--min-confidence): serial drafts only")
+                self._tables_refused = True
+            branches = None
+        returned = slot is not None and shared.drafted is not None and shared.drafts is not None
+        publish = functools.partial(shared.publish_if, sequence=queued.sequence) if returned else None
         if slot is not None:
             shared.sequence = queued.sequence
             wait_value(slot, queued.sequence, torch.cuda.current_stream(self.proposer.device))
         self.queue_drafts(stream, [w.request_id for w in wants], [w.num_drafts for w in wants], temperature,
                           top_k, buffer[:n * width].view(n, width), list(queued.rows), self._tables[stream],
-                          list(queued.feature_cells))
-        if slot is not None and shared.drafted is not None and shared.drafts is not None:
+                          list(queued.feature_cells), branches,
+                          queued.forced_hit_rate if queued.HasField("forced_hit_rate") else None,
+                          publish)
+        if returned:  # (after a published hit: the same ids again, and the same number)
             shared.return_drafts(self.proposer.queued_drafts(len(wants)), queued.sequence)
         if slot is not None:
             shared.await_number(queued.sequence, self.settle_timeout)
         proposal = self.take_drafts(owned, self.proposer.queued_counts())
+        if branches is not None:
+            result.queued_hits, result.tables_served = self.proposer.last_hits, self.proposer.tables_served
         self._split(wants, proposal, temperature, top_k, result)
 
     # A co-located verifier's serial drafts without a DraftStep: queued on the device behind its sampler,
@@ -471,17 +494,23 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
     @torch.inference_mode()
     def queue_drafts(self, stream: int, request_ids: list[str], num_drafts: list[int],
                      temperature: list[float], top_k: list[int], settled: torch.Tensor, rows: list[int],
-                     features: torch.Tensor, feature_cells: list[int]) -> None:
+                     features: torch.Tensor, feature_cells: list[int], num_branches: list[int] | None = None,
+                     forced_hit_rate: float | None = None,
+                     publish: Callable[[torch.Tensor, torch.Tensor], None] | None = None) -> None:
         """Drafts for the tokens the sampler output `settled` holds for these requests (rows[b]: request b's
         row), each request's features at feature_cells[b * (max_drafts + 1):] of `features`. Every request
-        must be held, with its last tokens drafted from."""
+        must be held, with its last tokens drafted from. num_branches, forced_hit_rate, publish: tables ahead
+        (EagleProposer.queue_after_verification)."""
         p, started = self.proposer, time.perf_counter()
         keys = [f"{stream}/{rid}" for rid in request_ids]
         if unknown := [rid for rid, key in zip(request_ids, keys, strict=True) if key not in self._known]:
             raise ProposerError(f"unknown request {unknown[0]!r}")
         top_k = [min(tk, p.max_top_k) if t > 0 else 0 for t, tk in zip(temperature, top_k, strict=True)]
+        if num_branches is not None:
+            num_branches = [min(n, p.max_branches) for n in num_branches]
         p.queue_after_verification(keys, settled, rows, features, feature_cells,
-                                   [min(k, p.max_drafts) for k in num_drafts], temperature, top_k)
+                                   [min(k, p.max_drafts) for k in num_drafts], temperature, top_k,
+                                   num_branches, forced_hit_rate, publish)
         self._queued, self._queue_seconds = keys, time.perf_counter() - started
 
     def take_drafts(self, owned: set[str], counts: list[int] | None, on_device: bool = False

@@ -41,4 +41,5 @@ def colocated_link(engine: TargetEngine, tokenizer: Tokenizer, metrics: Verifier
                             metrics, proposer.device, step_timeout=step_timeout,
                             inline=proposer.device.type == "cuda",
                             queue=functools.partial(service.queue_drafts, 0),
-                            take=functools.partial(service.take_drafts, owned))
+                            take=functools.partial(service.take_drafts, owned),
+                            lookups=lambda: (proposer.last_hits, proposer.tables_served))

@@ -248,6 +248,12 @@ class VerifierMetrics(_ServiceMetrics):
             "co-located drafter without a DraftStep; one in another process on this host by a step sent "
             "while the target's forward runs), one per request and round.",
         )
+        self.tables_ahead_served = c(
+            "queued_tables_served",
+            "Queued rounds with tables ahead (--queued-tables) whose drafts were the tables' (every "
+            "request's outcome was in its table, looked up on the drafter's GPU) rather than the serial "
+            "drafts; the lookups themselves count in spec_cache_lookups (hit, miss).",
+        )
         self.drafts_read_on_device = c(
             "queued_drafts_read_on_device",
             "Verifications that read a drafter process's queued drafts on this GPU, behind the drafter's GPU "

@@ -77,6 +77,7 @@ def test_round_split_cache_and_bytes_from_two_scrapes():
     assert cache.pop("rounds") == {"tables": None, "serial": 20.0, "none": 80.0}
     assert cache.pop("round_ms") == pytest.approx({"tables": None, "serial": 5.0, "none": 1.5})
     assert cache.pop("tokens_per_round") == pytest.approx({"tables": None, "serial": 2.5, "none": 1.0})
+    assert cache.pop("tables_ahead_served") is None  # (no queued tables in these scrapes)
     assert cache == pytest.approx({"hit": 75, "miss": 25, "late": None, "unasked": None, "hit_rate": 0.75})
     assert cache_hit_rate(Delta(before, before)) is None
     assert wire_bytes_per_step(delta) == {"sent": 50.0, "received": None}

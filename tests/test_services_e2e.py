@@ -154,7 +154,8 @@ def colocated(checkpoint, tokenizer, metrics: VerifierMetrics, inline: bool = Fa
     return LocalDrafterLink(functools.partial(service.run_step, 0, owned), service.info, service.mismatch,
                             metrics, proposer.device, step_timeout=5.0, inline=inline,
                             queue=functools.partial(service.queue_drafts, 0),
-                            take=functools.partial(service.take_drafts, owned))
+                            take=functools.partial(service.take_drafts, owned),
+                            lookups=lambda: (proposer.last_hits, proposer.tables_served))
 
 
 def serving(channel: grpc.Channel) -> bool:
@@ -173,7 +174,7 @@ class Verifier:
                  max_waiting: int = 64, drafting_epoch: int = 0, drafter_socket: str | None = None,
                  max_message_bytes: int = grpc_common.DEFAULT_MAX_MESSAGE_BYTES,
                  queue_drafts: bool | None = None, drafting_modes: tuple[str, ...] | None = None,
-                 frontend: str = "inline"):
+                 frontend: str = "inline", queued_tables: int = 0, forced_hit_rate: float | None = None):
         """frontend "process": the client streams go through a real `specwire verifier-frontend` process
         this one starts (core_socket.SplitVerifier), as `specwire verifier --frontend process` runs."""
         self.loop, self.metrics = loop, VerifierMetrics()
@@ -188,7 +189,8 @@ class Verifier:
                                       default_max_tokens=16, cache_branches=cache_branches,
                                       table_wait=table_wait, just_in_time_wait=just_in_time_wait,
                                       drafting_epoch=drafting_epoch, drafting_modes=drafting_modes,
-                                      queue_drafts=queue_drafts),
+                                      queue_drafts=queue_drafts, queued_tables=queued_tables,
+                                      forced_hit_rate=forced_hit_rate),
             model_name="tiny",
         )
         link = (colocated(checkpoint, tokenizer, self.metrics, inline=drafter_port == "colocated-inline",
@@ -648,6 +650,25 @@ def test_colocated_drafts_queued_behind_the_sampler_equal_target_only(world, mon
             assert 0 < sample("specwire_verify_gpu_seconds_sum") < sample("specwire_verify_step_seconds_sum")
         else:
             assert gpu_steps == 0 and steps > 0
+    finally:
+        v.close()
+
+
+@pytest.mark.parametrize("forced_hit_rate", [None, 1.0], ids=["lookups", "forced_hits"])
+def test_colocated_tables_ahead_equal_target_only(world, forced_hit_rate):
+    """Queued serial drafting with tables ahead (--queued-tables): each round's table is looked up from the
+    sampler's output; rounds whose every request hit verify the tables' drafts, the others the serial ones.
+    Target-only output either way, also where hits are forced (the drafter then takes a branch whose bonus
+    token is not the target's, as a synthetic benchmark does)."""
+    v = Verifier(world.loop, world.checkpoint, world.tokenizer, "colocated-inline", cache_branches=0,
+                 queue_drafts=True, max_slots=3, queued_tables=4, forced_hit_rate=forced_hit_rate)
+    try:
+        greedy_equals_target_only(world, v, 8, seed=43)
+        hits, misses = v.counter(v.metrics.cache["hit"]), v.counter(v.metrics.cache["miss"])
+        served = v.counter(v.metrics.tables_ahead_served)
+        assert v.counter(v.metrics.queued_drafts) > 0 and hits > 0 and misses > 0, (hits, misses)
+        if forced_hit_rate:  # (the bigram head's own hits rarely come for every request of a round at once)
+            assert served > 0, (hits, misses, served)
     finally:
         v.close()
 

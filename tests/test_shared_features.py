@@ -104,12 +104,13 @@ async def serving(service, listen: str = "127.0.0.1:0"):
 
 async def generate_over_grpc(service, engine, cache_branches: int, metrics: VerifierMetrics,
                              max_tokens: int = MAX_TOKENS, queue_drafts: bool = False,
-                             drafting_epoch: int = 0, drafting_modes: tuple[str, ...] | None = None):
+                             drafting_epoch: int = 0, drafting_modes: tuple[str, ...] | None = None,
+                             **config):
     async with serving(service) as target:
         link = DrafterLink(target, metrics, step_timeout=5.0, share_from=engine.device)
         return link, await generate(engine, link, cache_branches, queue_drafts, max_tokens=max_tokens,
                                     drafting_epoch=drafting_epoch, drafting_modes=drafting_modes,
-                                    metrics=metrics)
+                                    metrics=metrics, **config)
 
 
 @pytest.mark.parametrize("cache_branches", [0, 4], ids=["serial", "tables"])
@@ -154,6 +155,27 @@ def test_drafts_queued_behind_the_sampler_across_processes_read_what_it_settled(
     says_it_maps(plain)
     reference, _ = asyncio.run(generate_over_grpc(plain, engine2, 0, VerifierMetrics()))[1]
     assert outputs == reference
+
+
+def test_tables_ahead_across_processes_are_asked_for_looked_up_and_counted(in_process_mapping):
+    """--queued-tables over a gRPC stream: the queued steps ask for tables ahead (their wants' num_branches,
+    the forced hit rate), the drafter looks them up and says in its answers how many hit and whether the
+    round's drafts were the tables', which the verifier counts; the drafter is still handed the target's
+    features of every token (gathered by its queued drafting, then committed by its tables)."""
+    config, sd, head, engine, proposer, handed = recording_drafter("cpu", "cpu", 4, 0)
+    proposer.uniform_outcomes = True  # a random head's q puts every branch at 0 accepted (forced rates here)
+    queued = recording_queued(proposer, handed)
+    service = drafter_service(proposer, config)
+    says_it_maps(service)
+    service.info.queues_drafts = True
+    metrics = VerifierMetrics()
+    _, (outputs, _) = asyncio.run(generate_over_grpc(service, engine, 0, metrics, queue_drafts=True,
+                                                     queued_tables=4, forced_hit_rate=1.0))
+    assert queued, "no drafts were queued behind a sampler"
+    hits, misses = metrics.cache["hit"]._value.get(), metrics.cache["miss"]._value.get()
+    served = metrics.tables_ahead_served._value.get()
+    assert hits > 0 and served > 0 and hits + misses >= served, (hits, misses, served)
+    assert_handed_the_target_features(handed, outputs, config, sd, head, "cpu")
 
 
 @pytest.mark.parametrize("modes", [DRAFTING_MODES, None], ids=["all_modes", "default_modes"])
@@ -663,10 +685,10 @@ def _greedy_outputs(port: int, prompts: list[list[int]], max_tokens: int) -> lis
 
 
 @contextlib.contextmanager
-def _queued_processes(tmp_path):
+def _queued_processes(tmp_path, *verifier_args: str):
     """Real processes on the GPUs: a drafter on the first, a verifier queuing its drafts on it (over the step
-    socket) and reading them on its GPU, and a target-only verifier on the last. Yields (drafter, verifier,
-    target, verifier's metrics port)."""
+    socket) and reading them on its GPU (with `verifier_args`), and a target-only verifier on the last.
+    Yields (drafter, verifier, target, verifier's metrics port)."""
     from specwire.commands.demo import free_port, start, stop, wait_drafter_connected, wait_serving
 
     gpus, model, socket_path = torch.cuda.device_count(), "synthetic:tiny", str(tmp_path / "drafter.sock")
@@ -679,7 +701,8 @@ def _queued_processes(tmp_path):
         verifier = start("verifier", ["verifier", "--model", model, "--device", f"cuda:{gpus - 1}",
                                       "--drafter", f"127.0.0.1:{drafter.port}", "--drafter-socket",
                                       socket_path, "--cache-branches", "0", "--queue-drafts", "on",
-                                      "--drafts-on-device", "on", "--metrics-port", str(metrics_port)],
+                                      "--drafts-on-device", "on", "--metrics-port", str(metrics_port),
+                                      *verifier_args],
                          tmp_path)
         target = start("target", ["verifier", "--model", model, "--device", f"cuda:{gpus - 1}", "--k", "0",
                                   "--metrics-port", str(free_port())], tmp_path)
@@ -714,6 +737,28 @@ def test_a_drafter_process_queued_behind_the_sampler_gives_target_only_greedy_ou
         assert _counter(metrics_port, "specwire_queued_drafts_total") > 0, verifier.log.read_text()[-2000:]
         assert _counter(metrics_port, "specwire_queued_drafts_read_on_device_total") > 0
         assert _counter(metrics_port, "specwire_verifications_launched_ahead_total") > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("forced_hit_rate", [None, "1.0"], ids=["lookups", "forced_hits"])
+def test_tables_ahead_in_a_drafter_process_give_target_only_greedy_output(tmp_path, forced_hit_rate):
+    """--queued-tables: the drafter process drafts a table while each verification runs and looks it up on
+    its GPU from the next sampler's output; where every request hit, its GPU copies the tables' drafts into
+    the verifier's memory and writes the number at once (publish_if, decided on the GPU), and the serial
+    drafts that follow write the same ids again. Greedy output must equal a target-only verifier's; the
+    lookups are counted, and with hits forced at rate 1 (the random head's own never come) rounds are
+    served by the tables."""
+    args = ["--queued-tables", "8", *(["--forced-hit-rate", forced_hit_rate] if forced_hit_rate else [])]
+    with _queued_processes(tmp_path, *args) as (_, verifier, target, metrics_port):
+        prompts = _prompts((5, 17, 40, 9))
+        assert _greedy_outputs(verifier.port, prompts, 48) == _greedy_outputs(target.port, prompts, 48)
+        lookups = _counter(metrics_port, "specwire_spec_cache_lookups_total")
+        served = _counter(metrics_port, "specwire_queued_tables_served_total")
+        assert lookups > 0, verifier.log.read_text()[-2000:]
+        if forced_hit_rate:
+            assert served > 0, (lookups, served)
+        assert _counter(metrics_port, "specwire_queued_drafts_read_on_device_total") > 0
 
 
 @pytest.mark.gpu

@@ -92,6 +92,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "waiting for a number the verifier's GPU writes into shared memory after the "
                              "sampler (default auto: on for a CUDA drafter co-located or on the step socket "
                              "of --drafter-socket; over gRPC only with on)")
+    parser.add_argument("--queued-tables", type=int, default=env("SPECWIRE_QUEUED_TABLES", 0),
+                        metavar="BRANCHES",
+                        help="with drafts queued behind the sampler (greedy rows, a drafter with branch "
+                             "slots): ask the drafter for tables ahead of this many branches a request, "
+                             "drafted while each verification runs and looked up on its GPU from the "
+                             "sampler's output; a round whose every request hit gets the tables' drafts at "
+                             "once, before the serial drafting (default 0: serial drafts only; "
+                             "--forced-hit-rate forces the drafter's lookups instead)")
     parser.add_argument("--drafts-on-device", choices=("on", "off"),
                         default=env("SPECWIRE_DRAFTS_ON_DEVICE", "on"),
                         help="with drafts queued in a drafter process on this host's GPUs: the drafter's GPU "
@@ -217,6 +225,8 @@ def check_flags(args: argparse.Namespace) -> None:
                          f"{args.carry_rows} and {args.carry_width}")
     if args.frontend not in ("inline", "process"):  # argparse leaves a default (SPECWIRE_*) unchecked
         raise ValueError(f"--frontend must be inline or process, got {args.frontend!r}")
+    if args.queued_tables < 0:
+        raise ValueError(f"--queued-tables must be >= 0, got {args.queued_tables}")
     if args.forced_hit_rate is not None and not 0 <= args.forced_hit_rate <= 1:
         raise ValueError(f"--forced-hit-rate must be in [0, 1], got {args.forced_hit_rate}")
 
@@ -259,6 +269,7 @@ async def serve(args: argparse.Namespace) -> None:
                                   stream_interval=args.stream_interval,
                                   admit_wait=args.admit_wait_ms / 1e3,
                                   queue_drafts={"on": True, "off": False}.get(args.queue_drafts),
+                                  queued_tables=args.queued_tables,
                                   launch_ahead=args.launch_ahead == "on"),
     )
 
@@ -278,7 +289,8 @@ async def serve(args: argparse.Namespace) -> None:
             link = await asyncio.to_thread(
                 colocated_link, engine, tokenizer, metrics, head=head_or_random(args.model, args.head),
                 device=args.drafter_device,
-                k=args.k, max_branches=args.cache_branches, cuda_graphs=not args.no_cuda_graphs,
+                k=args.k, max_branches=max(args.cache_branches, args.queued_tables),
+                cuda_graphs=not args.no_cuda_graphs,
                 min_confidence=args.min_confidence, step_timeout=args.draft_timeout)
         return engine, tokenizer, link, name
 

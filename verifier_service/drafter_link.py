@@ -55,6 +55,14 @@ def step_feature_bytes(own_bound: int, drafter_bound: int) -> int:
 _EXPIRED = object()  # a step future's result at its deadline: `result` counts the timeout and returns None
 
 
+def count_lookups(metrics: VerifierMetrics, rows: int, hits: int, served: bool) -> None:
+    """A queued round's lookups of tables ahead (on the drafter's GPU): `hits` of `rows` requests found;
+    served: the round's drafts are the tables'."""
+    metrics.cache["hit"].inc(hits)
+    metrics.cache["miss"].inc(max(0, rows - hits))
+    metrics.tables_ahead_served.inc(served)
+
+
 @dataclass
 class _Pending:
     future: asyncio.Future
@@ -125,16 +133,20 @@ class LocalDrafterLink(_StepResults):
                  info: pb.DrafterInfo, mismatch: Callable[[pb.HandshakeRequest], str],
                  metrics: VerifierMetrics, feature_device: torch.device, step_timeout: float = 0.5,
                  max_in_flight: int = 4, inline: bool = False, queue: Callable | None = None,
-                 take: Callable | None = None):
+                 take: Callable | None = None, lookups: Callable[[], tuple[int, bool]] = lambda: (0, False)):
         """run_step(step, features): the drafter's step function, given each update's features by request
         id; mismatch: the drafter's handshake check (a one-line reason, or empty); feature_device: where
         the drafter takes features; inline: serial steps may run on the loop (for a GPU drafter, whose step
         is mostly launches and one wait). queue / take: the drafter's queue_drafts and take_drafts
-        (DrafterService's, bound to this link's stream), or None."""
+        (DrafterService's, bound to this link's stream), or None; lookups: how many requests of the last
+        take found their outcome in a table ahead (tables_ahead, as DrafterLink's), and whether its drafts
+        are the tables'."""
         self._run_step, self._info, self._mismatch, self._inline = run_step, info, mismatch, inline
         self._queue, self._take = queue, take
         self.queues_drafts = queue is not None and take is not None
         self.queues_on_auto = True  # --queue-drafts auto queues where features live on a GPU
+        self.tables_ahead: tuple[int, float | None] = (0, None)  # branches a request, forced hit rate
+        self.lookups = lookups
         self.names_rows = False  # features are handed over as tensors (views of the store), not named
         self.feature_device = feature_device
         self.max_step_bytes = float("inf")  # features are handed over as tensors, not in the step
@@ -213,9 +225,12 @@ class LocalDrafterLink(_StepResults):
         """Queues the announced drafting behind the sampler whose packed output is `settled`. False if the
         drafter refused: it then holds these requests in an unknown state, and they must be re-sent whole."""
         (request_ids, wants, rows, features, feature_cells), self._announced = self._announced, None
+        branches, forced_hit_rate = self.tables_ahead
+        greedy = all(w.temperature == 0 for w in wants)
         try:
             self._queue(request_ids, [w.num_drafts for w in wants], [w.temperature for w in wants],
-                        [w.top_k for w in wants], settled, rows, features, feature_cells)
+                        [w.top_k for w in wants], settled, rows, features, feature_cells,
+                        [branches] * len(wants) if branches and greedy else None, forced_hit_rate)
         except Exception as e:
             self._failed(e)
             return False
@@ -231,6 +246,8 @@ class LocalDrafterLink(_StepResults):
         except Exception as e:
             self._failed(e)
             return None
+        if self.tables_ahead[0] and all(w.temperature == 0 for w in wants):
+            count_lookups(self.metrics, len(wants), *self.lookups())
         return QueuedDrafts(request_ids, wants, proposal)
 
     def drop_drafts(self) -> None:
@@ -445,6 +462,10 @@ class DrafterLink(_StepResults):
         # target-only at batch 1 against 0.99x-1.08x unqueued, bench/results/session33/); over gRPC, whose
         # writes wait for the loop, only when asked (--queue-drafts on): not measured there
         self.queues_on_auto = socket_path is not None
+        # Tables ahead for queued greedy steps (Scheduler sets it from --queued-tables): branches a request
+        # (0: none) and the synthetic benchmarks' forced hit rate (QueuedDrafts.forced_hit_rate).
+        self.tables_ahead: tuple[int, float | None] = (0, None)
+        self._tables_asked = False  # whether the last queued step asked for them
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread = 0  # the loop's thread (start): settle_drafts on another hands the send to it
         self.channel_options = channel_options or grpc_common.ChannelOptions()
@@ -553,9 +574,14 @@ class DrafterLink(_StepResults):
             queued.settled_slot = self._slot.path
             if on_device:
                 queued.drafts_slot = self._drafted.path
+        branches, forced_hit_rate = self.tables_ahead
+        branches = branches if all(w.temperature == 0 for w in wants) else 0
         for rid, want in zip(request_ids, wants, strict=True):
             queued.wants.add(request_id=rid, num_drafts=want.num_drafts, temperature=want.temperature,
-                             top_k=want.top_k)
+                             top_k=want.top_k, num_branches=branches)
+        if branches and forced_hit_rate is not None:
+            queued.forced_hit_rate = forced_hit_rate
+        self._tables_asked = bool(branches)
         queued.rows.extend(rows)
         queued.feature_cells.extend(feature_cells)
         queued.settled_shape.extend([n, width])
@@ -627,8 +653,16 @@ class DrafterLink(_StepResults):
         if self._drafted is not None and self._drafts is not None:
             on_device = DeviceDrafts(self._drafts, self._drafted, self._sequence, self.info.max_num_drafts,
                                      self._drafted_watch, self.step_timeout)
-        return QueuedDrafts(request_ids, asked, None, answer=lambda: self.result(future),
+        looked_up = len(asked) if self._tables_asked else 0
+        return QueuedDrafts(request_ids, asked, None, answer=lambda: self._queued_answer(future, looked_up),
                             vocab_size=self.handshake.vocab_size, on_device=on_device)
+
+    async def _queued_answer(self, future: asyncio.Future, looked_up: int) -> pb.DraftResult | None:
+        """The answer to a queued step; of `looked_up` requests (tables ahead), its hits are counted."""
+        result = await self.result(future)
+        if result is not None and looked_up:
+            count_lookups(self.metrics, looked_up, result.queued_hits, result.tables_served)
+        return result
 
     def drop_drafts(self) -> None:
         """The verification lost its result: its queued step is left unread (the scheduler re-sends those

@@ -229,6 +229,11 @@ class SchedulerConfig:
     # drafter's device right behind the sampler (no return to the host in between). None = where the link
     # says so (queues_on_auto) and features live on CUDA.
     queue_drafts: bool | None = None
+    # Queued serial drafting, greedy rows, a drafter with branch slots: > 0 asks it for tables ahead of this
+    # many branches a request (QueuedDrafts.wants[].num_branches), drafted while each verification runs and
+    # looked up on its GPU from the sampler's output, so a round whose every request hit has its drafts
+    # before the serial drafting. With forced_hit_rate, the drafter forces its lookups' hits (synthetic).
+    queued_tables: int = 0
     # Drafts read on the device (a drafter process on this host, greedy rows): queue each round's forward
     # right behind the last one's launch, its first tokens and positions taken from that round's sampler on
     # the device, so that the GPU never waits for the host between rounds (Scheduler._launch_ahead).
@@ -1385,6 +1390,8 @@ class Scheduler:
         self._frees.clear()
         self._in_flight, self._sitting_out = None, False
         self._queued_drafts = None
+        branches = min(self.config.queued_tables, self.link.info.max_branches)
+        self.link.tables_ahead = (branches, self.config.forced_hit_rate if branches else None)
         if self._drafting is not None and (modes := self._drafting_modes()) != self._drafting.modes:
             self._drafting = DraftingMode(self.config.drafting_epoch, modes=modes)
         self._wake.set()

@@ -176,7 +176,7 @@ class DraftStep(_message.Message):
     def __init__(self, step_id: _Optional[int] = ..., updates: _Optional[_Iterable[_Union[RequestUpdate, _Mapping]]] = ..., wants: _Optional[_Iterable[_Union[DraftWant, _Mapping]]] = ..., shared_features: _Optional[_Union[SharedFeatures, _Mapping]] = ..., queued: _Optional[_Union[QueuedDrafts, _Mapping]] = ...) -> None: ...
 
 class QueuedDrafts(_message.Message):
-    __slots__ = ("wants", "rows", "feature_cells", "settled_shape", "settled_buffer", "settled_event", "settled_slot", "sequence", "drafts_buffer", "drafts_slot")
+    __slots__ = ("wants", "rows", "feature_cells", "settled_shape", "settled_buffer", "settled_event", "settled_slot", "sequence", "drafts_buffer", "drafts_slot", "forced_hit_rate")
     WANTS_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
     FEATURE_CELLS_FIELD_NUMBER: _ClassVar[int]
@@ -187,6 +187,7 @@ class QueuedDrafts(_message.Message):
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     DRAFTS_BUFFER_FIELD_NUMBER: _ClassVar[int]
     DRAFTS_SLOT_FIELD_NUMBER: _ClassVar[int]
+    FORCED_HIT_RATE_FIELD_NUMBER: _ClassVar[int]
     wants: _containers.RepeatedCompositeFieldContainer[DraftWant]
     rows: _containers.RepeatedScalarFieldContainer[int]
     feature_cells: _containers.RepeatedScalarFieldContainer[int]
@@ -197,7 +198,8 @@ class QueuedDrafts(_message.Message):
     sequence: int
     drafts_buffer: SharedFeatures
     drafts_slot: str
-    def __init__(self, wants: _Optional[_Iterable[_Union[DraftWant, _Mapping]]] = ..., rows: _Optional[_Iterable[int]] = ..., feature_cells: _Optional[_Iterable[int]] = ..., settled_shape: _Optional[_Iterable[int]] = ..., settled_buffer: _Optional[_Union[SharedFeatures, _Mapping]] = ..., settled_event: _Optional[bytes] = ..., settled_slot: _Optional[str] = ..., sequence: _Optional[int] = ..., drafts_buffer: _Optional[_Union[SharedFeatures, _Mapping]] = ..., drafts_slot: _Optional[str] = ...) -> None: ...
+    forced_hit_rate: float
+    def __init__(self, wants: _Optional[_Iterable[_Union[DraftWant, _Mapping]]] = ..., rows: _Optional[_Iterable[int]] = ..., feature_cells: _Optional[_Iterable[int]] = ..., settled_shape: _Optional[_Iterable[int]] = ..., settled_buffer: _Optional[_Union[SharedFeatures, _Mapping]] = ..., settled_event: _Optional[bytes] = ..., settled_slot: _Optional[str] = ..., sequence: _Optional[int] = ..., drafts_buffer: _Optional[_Union[SharedFeatures, _Mapping]] = ..., drafts_slot: _Optional[str] = ..., forced_hit_rate: _Optional[float] = ...) -> None: ...
 
 class SharedFeatures(_message.Message):
     __slots__ = ("device_uuid", "memory_handle", "storage_size_bytes", "storage_offset_bytes", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required", "shape", "dtype")
@@ -258,17 +260,21 @@ class Proposal(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., probs_kind: _Optional[_Union[ProbsKind, str]] = ..., probs: _Optional[_Union[Tensor, _Mapping]] = ..., sparse: _Optional[_Union[SparseProbs, _Mapping]] = ..., branch: _Optional[_Union[Branch, _Mapping]] = ...) -> None: ...
 
 class DraftResult(_message.Message):
-    __slots__ = ("step_id", "proposals", "error", "compute_seconds", "dropped_request_ids", "shared_features_error")
+    __slots__ = ("step_id", "proposals", "error", "compute_seconds", "dropped_request_ids", "shared_features_error", "queued_hits", "tables_served")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     PROPOSALS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     DROPPED_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
     SHARED_FEATURES_ERROR_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_HITS_FIELD_NUMBER: _ClassVar[int]
+    TABLES_SERVED_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     proposals: _containers.RepeatedCompositeFieldContainer[Proposal]
     error: str
     compute_seconds: float
     dropped_request_ids: _containers.RepeatedScalarFieldContainer[str]
     shared_features_error: str
-    def __init__(self, step_id: _Optional[int] = ..., proposals: _Optional[_Iterable[_Union[Proposal, _Mapping]]] = ..., error: _Optional[str] = ..., compute_seconds: _Optional[float] = ..., dropped_request_ids: _Optional[_Iterable[str]] = ..., shared_features_error: _Optional[str] = ...) -> None: ...
+    queued_hits: int
+    tables_served: bool
+    def __init__(self, step_id: _Optional[int] = ..., proposals: _Optional[_Iterable[_Union[Proposal, _Mapping]]] = ..., error: _Optional[str] = ..., compute_seconds: _Optional[float] = ..., dropped_request_ids: _Optional[_Iterable[str]] = ..., shared_features_error: _Optional[str] = ..., queued_hits: _Optional[int] = ..., tables_served: _Optional[bool] = ...) -> None: ...
