@@ -425,6 +425,7 @@ class EagleProposer:
             self._look_up_tables(mine, forced_hit_rate)
             if publish is not None:
                 publish(self._hit_drafts[:B], self._all_hit)
+            round_trace.mark("d.looked_up")
         width = min(T, mine.shape[1] - 1)
         self._meta[self._PENDING, :B] = mine[:, 0].clamp(0, T)
         self._input_ids[:B, :width] = mine[:, 1:1 + width].clamp_min(0)  # -1 pads past the settled ones
@@ -535,6 +536,7 @@ class EagleProposer:
                 verifying.append(VERIFYING_CHAIN)
             drafting.append(b)
         proposal = self._proposal(ks, [0.0] * B, [0] * B, on_device)
+        round_trace.mark("d.tables_taken", B)
         if drafting:
             self.draft_branches([request_ids[b] for b in drafting], verifying,
                                 [num_branches[b] for b in drafting], [num_drafts[b] for b in drafting],

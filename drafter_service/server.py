@@ -479,11 +479,14 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
                           list(queued.feature_cells), branches,
                           queued.forced_hit_rate if queued.HasField("forced_hit_rate") else None,
                           publish)
+        round_trace.mark("d.queued")
         if returned:  # (after a published hit: the same ids again, and the same number)
             shared.return_drafts(self.proposer.queued_drafts(len(wants)), queued.sequence)
         if slot is not None:
             shared.await_number(queued.sequence, self.settle_timeout)
+        round_trace.mark("d.settled")
         proposal = self.take_drafts(owned, self.proposer.queued_counts())
+        round_trace.mark("d.taken_queued")
         if branches is not None:
             result.queued_hits, result.tables_served = self.proposer.last_hits, self.proposer.tables_served
         self._split(wants, proposal, temperature, top_k, result)
