@@ -420,9 +420,12 @@ class EagleProposer:
             host["table_rows"][:B] = [r.table_at if r.table_call == self._table_calls and r.table_drafts == k
                                       else -1 for r, k in zip(requests, ks, strict=True)]
         self._inputs.send("features", 0)
+        round_trace.mark("d.staged")
         mine = settled.to(self.device, non_blocking=True).index_select(0, self._settled_rows[:B])
+        round_trace.mark("d.settled_copied")
         if tables:
             self._look_up_tables(mine, forced_hit_rate)
+            round_trace.mark("d.lookup_ops")
             if publish is not None:
                 publish(self._hit_drafts[:B], self._all_hit)
             round_trace.mark("d.looked_up")

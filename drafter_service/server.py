@@ -474,6 +474,7 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
         if slot is not None:
             shared.sequence = queued.sequence
             wait_value(slot, queued.sequence, torch.cuda.current_stream(self.proposer.device))
+        round_trace.mark("d.value_queued")
         self.queue_drafts(stream, [w.request_id for w in wants], [w.num_drafts for w in wants], temperature,
                           top_k, buffer[:n * width].view(n, width), list(queued.rows), self._tables[stream],
                           list(queued.feature_cells), branches,
