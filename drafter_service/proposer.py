@@ -15,7 +15,7 @@ float32 buffers owned here and written by replay.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from specwire.drafter.draft_sampling import sample_drafts
 from specwire.drafter.eagle_head import EagleHead
+from specwire.kernels import table_lookup
 from specwire.kernels.rejection_sampler import DraftProbs
 
 from specwire import round_trace
@@ -37,7 +38,7 @@ from specwire.engine import (
     prefill_rows,
 )
 from specwire.model import KVCache
-from specwire.staging import StagedInputs, read_back, upload
+from specwire.staging import Readback, StagedInputs, read_back, upload
 from specwire.wire import as_numpy
 
 
@@ -367,7 +368,7 @@ class EagleProposer:
         top_k: list[int],
         num_branches: list[int] | None = None,
         forced_hit_rate: float | None = None,
-        publish: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
+        publish: table_lookup.Publish | None = None,
     ) -> None:
         """Serial drafting that never returns to the host between a verification and its next drafts: the
         draft of the tokens a verification settles is queued on the device right behind its sampler, before
@@ -384,12 +385,12 @@ class EagleProposer:
         num_branches (greedy rows, a drafter with branch slots): tables ahead. Each request's table, drafted
         by the last take_queued while this verification ran, is looked up on the device first, from the
         sampler's output: if every request's outcome is in its table, those branches' drafts are the
-        round's, ready before the serial drafting has run, and publish(drafts [B, max_drafts], all_hit
-        [bool]) may queue them out at once, behind the lookup (a device-side condition: the host learns it
-        in take_queued). The serial drafting runs all the same (it keeps its chain for the next table) and
-        its drafts are the round's when some request missed. forced_hit_rate (synthetic benchmarks, whose
-        random heads hit nothing): a request whose table has a branch for the number of drafts accepted
-        takes the likeliest of them at this rate, as if its bonus token were that branch's."""
+        round's, ready before the serial drafting has run: with `publish`, the device itself copies them
+        into the verifier's buffer and writes the step's number (table_lookup.look_up). The serial drafting
+        runs all the same (it keeps its chain for the next table) and its drafts are the round's when some
+        request missed. forced_hit_rate (synthetic benchmarks, whose random heads hit nothing): a request
+        whose table has a branch for the number of drafts accepted takes the likeliest of them at this rate,
+        as if its bonus token were that branch's."""
         B, T = len(request_ids), self._T
         requests = self._checked(request_ids, num_drafts, temperature, top_k)
         tables = num_branches is not None
@@ -424,10 +425,7 @@ class EagleProposer:
         mine = settled.to(self.device, non_blocking=True).index_select(0, self._settled_rows[:B])
         round_trace.mark("d.settled_copied")
         if tables:
-            self._look_up_tables(mine, forced_hit_rate)
-            round_trace.mark("d.lookup_ops")
-            if publish is not None:
-                publish(self._hit_drafts[:B], self._all_hit)
+            self._look_up_tables(mine, forced_hit_rate, publish)
             round_trace.mark("d.looked_up")
         width = min(T, mine.shape[1] - 1)
         self._meta[self._PENDING, :B] = mine[:, 0].clamp(0, T)
@@ -451,34 +449,24 @@ class EagleProposer:
             graph.replay()
         else:
             self._draft_loop(size, mode, steps=max(ks), keep_chain=tables)
-        if tables:  # the round's drafts: the tables' where every request hit (as publish sent them)
-            self._tokens[:B].copy_(torch.where(self._all_hit, self._hit_drafts[:B], self._tokens[:B]))
+        if tables:  # the round's drafts: the tables' where every request hit (as they were published)
+            self._tokens[:B].copy_(torch.where(self._all_hit != 0, self._hit_drafts[:B], self._tokens[:B]))
         self._queued = (request_ids, requests, num_drafts, ks, temperature, top_k, num_branches)
 
-    def _look_up_tables(self, settled: torch.Tensor, forced_hit_rate: float | None) -> None:
-        """Per queued request b (settled[b]: its sampler row), the branch of its table (_table_rows[b]: where
-        its rows start, -1 none) whose outcome settled: a accepted drafts and bonus token c in row b's
-        packed tokens. Leaves in _hit_index[b] its row among the request's (-1: a miss), in _hit_drafts[b]
-        its drafts, and in _all_hit whether every request hit. All on the device."""
-        B, N = settled.shape[0], self.max_branches
-        first = self._table_rows[:B]
-        cells = (first[:, None] + torch.arange(N, device=self.device)).clamp_min(0)  # [B, N]
-        count = settled[:, 0]
-        bonus = settled.gather(1, count.clamp(1, settled.shape[1] - 1)[:, None])
-        # a branch the table holds: drafted (a slot of its own) and possible (score > 0), as _branch_tables
-        held = (first[:, None] >= 0) & (self._branch_slots.view(-1)[cells] != self.cache.trash_slot)
-        held &= self._br_score[cells] > 0
-        same_count = held & (self._br_accepted[cells] == count[:, None] - 1)
-        found = same_count & (self._br_bonus[cells] == bonus)
-        hit = found.any(1)
-        # the first match: rows are in the order the table scored them, so a forced hit takes the likeliest
-        pick = torch.where(hit, found.int().argmax(1), same_count.int().argmax(1))
-        if forced_hit_rate is not None:
-            draws = torch.rand(B, generator=self._forcing, device=self.device)
-            hit = hit | (same_count.any(1) & (draws < forced_hit_rate))
-        self._hit_index[:B] = torch.where(hit, pick, -1)
-        self._all_hit.copy_(hit.all())
-        self._hit_drafts[:B] = self._br_tokens[cells.gather(1, pick[:, None])[:, 0]]
+    def _look_up_tables(self, settled: torch.Tensor, forced_hit_rate: float | None,
+                        publish: table_lookup.Publish | None) -> None:
+        """The lookup of each queued request's last table (_table_rows[b]: where its rows start, -1 none)
+        from its sampler row settled[b], into _hit_index, _hit_drafts and _all_hit; then, queued before the
+        serial drafting, their copy to the host (take_queued reads them without waiting for that drafting)."""
+        B, rows = settled.shape[0], self.max_requests * self.max_branches
+        draws = (None if forced_hit_rate is None
+                 else torch.rand(B, generator=self._forcing, device=self.device))
+        table = table_lookup.Table(self._branch_slots.view(-1)[:rows], self._br_score, self._br_accepted,
+                                   self._br_bonus, self._br_tokens, self.cache.trash_slot, self.max_branches)
+        lookup = table_lookup.Lookup(self._hit_index, self._hit_drafts, self._all_hit)
+        table_lookup.look_up(settled, self._row_ids[:B], self._table_rows[:B], table, draws,
+                             forced_hit_rate or 0.0, lookup, publish)
+        self._looked_up.start(torch.cat([self._hit_index[:B, None], settled], 1))
 
     def queued_drafts(self, n: int) -> torch.Tensor:
         """The draft ids of the last queue_after_verification's n requests, [n, max_drafts] on this device, as
@@ -488,6 +476,8 @@ class EagleProposer:
     def queued_counts(self) -> list[int]:
         """How many tokens each request of the last queue_after_verification settled (0 for a failed row),
         read once its sampler is done: for a drafter that is not told them."""
+        if self._queued is not None and self._queued[-1] is not None:  # tables ahead: read with the lookup
+            return self._looked_up.wait()[:, 1].clamp_min(0).tolist()
         return read_back(self._settled_counts).clamp_min(0).tolist()
 
     def take_queued(self, counts: list[int], on_device: bool = False) -> Proposal:
@@ -513,14 +503,16 @@ class EagleProposer:
                      ) -> Proposal:
         """take_queued with tables ahead: every request goes on from the drafts the verifier now checks (its
         hit branch where all hit, else the serial chain, kept), and the tables for that check are drafted
-        from the settled tokens with the target's features."""
-        B, K = len(requests), self.max_drafts
-        columns = read_back(torch.cat([self._hit_index[:B, None], self._input_ids[:B], self._tokens[:B]], 1))
-        hit_rows, settled, drafts = columns[:, 0].tolist(), columns[:, 1:1 + self._T], columns[:, -K:]
+        from the settled tokens with the target's features. Where all hit, nothing here waits for the serial
+        drafting: the lookup's results came back on their own (_look_up_tables)."""
+        B = len(requests)
+        looked_up = self._looked_up.wait()
+        hit_rows, settled = looked_up[:, 0].tolist(), looked_up[:, 2:].tolist()
         features = self._features[:B].clone()  # the settled tokens' target features (the next load reuses it)
         self.last_hits = sum(i >= 0 for i in hit_rows)
         self.tables_served = self.last_hits == B
-        verifying, drafting = [], []
+        chains = None if self.tables_served else read_back(self._tokens[:B]).tolist()  # waits for them
+        verifying, drafting, served = [], [], []
         for b, (r, n) in enumerate(zip(requests, counts, strict=True)):
             if n == 0:  # a failed row: nothing settled, no table
                 self._take_branch(r, None)
@@ -532,13 +524,19 @@ class EagleProposer:
                 r.pending_tokens = r.verifying[:branch.accepted] + [branch.bonus]
                 r.pending_features = [features[b, :n]]
                 verifying.append(index)
+                served.append(branch.token_ids)
             else:  # the chain's K/V follow the settled ones; the last settled pair is re-fed by the table
                 r.num_cached += n - 1
-                r.pending_tokens, r.pending_features = [int(settled[b, n - 1])], [features[b, n - 1:n]]
-                r.chain = drafts[b, :ks[b]].tolist()
+                r.pending_tokens, r.pending_features = [settled[b][n - 1]], [features[b, n - 1:n]]
+                r.chain = chains[b][:ks[b]]
                 verifying.append(VERIFYING_CHAIN)
             drafting.append(b)
-        proposal = self._proposal(ks, [0.0] * B, [0] * B, on_device)
+        if self.tables_served:  # (every request settled a token, so every one has its branch's drafts)
+            ids = torch.tensor([t for chain in served for t in chain], dtype=torch.int64)
+            proposal = Proposal(upload(ids, self.device) if on_device else ids,
+                                torch.tensor([len(chain) for chain in served], dtype=torch.int32), None)
+        else:
+            proposal = self._proposal(ks, [0.0] * B, [0] * B, on_device)
         round_trace.mark("d.tables_taken", B)
         if drafting:
             self.draft_branches([request_ids[b] for b in drafting], verifying,
@@ -739,8 +737,17 @@ class EagleProposer:
         self._table_calls = 0  # draft_branches calls so far: only the last one's rows are in the outputs
         self._hit_index = torch.zeros(n, dtype=torch.int64, device=dev)
         self._hit_drafts = torch.zeros(n, K, dtype=torch.int64, device=dev)
-        self._all_hit = torch.zeros((), dtype=torch.bool, device=dev)
+        self._all_hit = torch.zeros((), dtype=torch.int32, device=dev)
+        self._row_ids = torch.arange(n, device=dev)
+        self._looked_up = Readback()  # per queued request: its hit, then its sampler row (count, tokens)
         self._forcing = torch.Generator(device=dev).manual_seed(0)  # forced_hit_rate's draws
+        if dev.type == "cuda":  # the lookup's programs compiled now, not in a request's round
+            settled = torch.full((1, K + 2), -1, dtype=torch.int64, device=dev)
+            cells = torch.zeros(n * K, dtype=torch.int64, device=dev)
+            for draws in (None, torch.ones(1, device=dev)):
+                for publish in (None, table_lookup.Publish(cells, cells[:1], 0)):
+                    self._look_up_tables(settled, None if draws is None else 0.0, publish)
+            torch.cuda.synchronize(dev)
 
     def _release_branches(self, request: _Request, keep: _Branch | None = None) -> None:
         self._free_slots += [b.slot for b in request.branches if b is not keep]

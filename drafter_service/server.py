@@ -13,7 +13,6 @@ stream's updates then name rows of it instead of carrying feature bytes.
 from __future__ import annotations
 
 import asyncio
-import functools
 import itertools
 import logging
 import time
@@ -29,6 +28,7 @@ from specwire.drafter.proposer import (
     ProposerError,
     drafts_per_request,
 )
+from specwire.kernels import table_lookup
 
 from specwire import round_trace
 from specwire.config import ModelConfig
@@ -135,13 +135,14 @@ class _SharedOutput:
         self.drafts.view(-1)[:n * width].view(n, width).copy_(drafts, non_blocking=True)
         write_value(self.drafted, sequence, torch.cuda.current_stream(drafts.device))
 
-    def publish_if(self, drafts: torch.Tensor, all_hit: torch.Tensor, sequence: int) -> None:
-        """As return_drafts, queued behind a table lookup, but done by this GPU only if all_hit is set."""
-        from specwire.kernels import publish_triton  # only on GPUs: CPU-only installs may lack Triton
-
-        n, width = drafts.shape
-        publish_triton.publish_if(drafts.contiguous(), self.drafts.view(-1)[:n * width], all_hit,
-                                  publish_triton.Address(self.drafted.address), sequence)
+    def publish_to(self, rows: int, width: int, sequence: int) -> table_lookup.Publish:
+        """Where a lookup of tables ahead that hit for every request puts the step's drafts ([rows, width]
+        into the verifier's buffer, as return_drafts does) and its number."""
+        if rows * width > self.drafts.numel():
+            raise WireError(f"queued drafts: {rows} x {width} drafts do not fit the verifier's buffer of "
+                            f"{self.drafts.numel()}")
+        slot = table_lookup.Address(self.drafted.address)
+        return table_lookup.Publish(self.drafts.view(-1), slot, sequence)
 
     def release_drafted(self, sequence: int) -> None:
         """From the host: the verifier's GPU reads whatever the buffer holds (a refused step)."""
@@ -470,7 +471,8 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
                 self._tables_refused = True
             branches = None
         returned = slot is not None and shared.drafted is not None and shared.drafts is not None
-        publish = functools.partial(shared.publish_if, sequence=queued.sequence) if returned else None
+        publish = (shared.publish_to(len(wants), self.proposer.max_drafts, queued.sequence)
+                   if returned and branches else None)
         if slot is not None:
             shared.sequence = queued.sequence
             wait_value(slot, queued.sequence, torch.cuda.current_stream(self.proposer.device))
@@ -500,7 +502,7 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
                      temperature: list[float], top_k: list[int], settled: torch.Tensor, rows: list[int],
                      features: torch.Tensor, feature_cells: list[int], num_branches: list[int] | None = None,
                      forced_hit_rate: float | None = None,
-                     publish: Callable[[torch.Tensor, torch.Tensor], None] | None = None) -> None:
+                     publish: table_lookup.Publish | None = None) -> None:
         """Drafts for the tokens the sampler output `settled` holds for these requests (rows[b]: request b's
         row), each request's features at feature_cells[b * (max_drafts + 1):] of `features`. Every request
         must be held, with its last tokens drafted from. num_branches, forced_hit_rate, publish: tables ahead

@@ -8,6 +8,7 @@ match the reference), and a miss's drafts are the serial ones."""
 import pytest
 import torch
 from specwire.drafter.proposer import ProposerError
+from specwire.kernels.table_lookup import Publish
 from test_drafter_branches import greedy_branch
 from test_drafter_proposer import MAX_DRAFTS, Setup, greedy_chain, on_cuda, split
 
@@ -34,17 +35,19 @@ class Outcome:
             s.history[rid] = (old_ids + ids, torch.cat([old_feats, self.flat[b * T:b * T + len(ids)]]))
 
     def queue(self, s: Setup, forced_hit_rate: float | None = None):
-        """queue_after_verification with tables, then take_queued; also returns what publish was given."""
+        """queue_after_verification with tables, then take_queued; also returns what was published (a
+        verifier's buffer [B, max_drafts] as the drafter left it, -1 where nothing was written) and whether
+        the step's number was."""
         B, dev = len(self.order), s.head.device
-        published = []
+        buffer = torch.full((B * MAX_DRAFTS,), -1, dtype=torch.int64, device=dev)
+        slot = torch.zeros(1, dtype=torch.int64, device=dev)
         s.proposer.queue_after_verification(
             self.order, self.packed.to(dev), list(range(B)), self.flat.to(dev, s.head.dtype),
             list(range(B * T)), [K] * B, [0.0] * B, [0] * B, num_branches=[N] * B,
-            forced_hit_rate=forced_hit_rate,
-            publish=lambda drafts, all_hit: published.append((drafts.clone(), all_hit.clone())))
+            forced_hit_rate=forced_hit_rate, publish=Publish(buffer, slot, 9))
         proposal = s.proposer.take_queued(self.counts)
-        (drafts, all_hit), = published
-        return proposal, drafts.cpu(), bool(all_hit)
+        assert slot.item() in (0, 9)
+        return proposal, buffer.view(B, MAX_DRAFTS).cpu(), slot.item() == 9
 
 
 def start(s: Setup, rids: str):
@@ -60,9 +63,9 @@ def test_hits_serve_the_tables_drafts_and_misses_the_serial_chains(tmp_path, arc
     p = s.proposer
     start(s, "ab")
     # Round 1: no table yet (a miss): the serial chains, and tables drafted for their check.
-    proposal, _, all_hit = Outcome(s, {"a": 2, "b": 1}).queue(s)
+    proposal, published, all_hit = Outcome(s, {"a": 2, "b": 1}).queue(s)
     chains = split(proposal)
-    assert not all_hit and not p.tables_served and p.last_hits == 0
+    assert not all_hit and not p.tables_served and p.last_hits == 0 and (published == -1).all()
     assert chains == [greedy_chain(s, "a", K), greedy_chain(s, "b", K)]
     tables = {rid: list(p.requests[rid].branches) for rid in "ab"}
     assert all(tables.values())

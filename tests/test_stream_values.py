@@ -151,37 +151,3 @@ def test_a_released_slot_ends_a_gpu_wait_for_any_step_number():
         slot.unlink()
         slot.close()
 
-
-def _published(device: str, flag: bool, slot) -> torch.Tensor:
-    from specwire.kernels import publish_triton
-
-    src = torch.arange(1, 13, dtype=torch.int64, device=device).view(3, 4)
-    dst = torch.full((20,), -1, dtype=torch.int64, device=device)
-    address = slot if isinstance(slot, torch.Tensor) else publish_triton.Address(slot.address)
-    publish_triton.publish_if(src, dst, torch.tensor(flag, device=device), address, 7)
-    if device == "cuda":
-        torch.cuda.synchronize()
-    return dst.cpu()
-
-
-def test_drafts_are_published_with_their_number_only_when_the_flag_says_so():
-    """publish_if (on a CPU, Triton's interpreter, the slot a tensor): flag unset, nothing is written; set,
-    the values go into the buffer's first cells and the number into the slot."""
-    pytest.importorskip("specwire.kernels.publish_triton")
-    for flag, want, number in ((False, [-1] * 20, 0), (True, list(range(1, 13)) + [-1] * 8, 7)):
-        slot = torch.zeros(1, dtype=torch.int64)
-        assert _published("cpu", flag, slot).tolist() == want and slot.item() == number
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_a_gpu_publishes_into_a_mapped_slot_only_when_the_flag_says_so():
-    """The same on a GPU with the slot a HostSlot (host memory mapped for the GPU, as the verifier's GPU
-    waits on it): the host reads the number once the GPU is done, and reads none when the flag is unset."""
-    slot = HostSlot()
-    try:
-        assert _published("cuda", False, slot).tolist() == [-1] * 20 and slot.value == 0
-        assert _published("cuda", True, slot).tolist() == list(range(1, 13)) + [-1] * 8 and slot.value == 7
-    finally:
-        slot.unlink()
-        slot.close()

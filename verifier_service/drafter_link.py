@@ -55,12 +55,34 @@ def step_feature_bytes(own_bound: int, drafter_bound: int) -> int:
 _EXPIRED = object()  # a step future's result at its deadline: `result` counts the timeout and returns None
 
 
-def count_lookups(metrics: VerifierMetrics, rows: int, hits: int, served: bool) -> None:
-    """A queued round's lookups of tables ahead (on the drafter's GPU): `hits` of `rows` requests found;
-    served: the round's drafts are the tables'."""
-    metrics.cache["hit"].inc(hits)
-    metrics.cache["miss"].inc(max(0, rows - hits))
-    metrics.tables_ahead_served.inc(served)
+class TablesAhead:
+    """Tables ahead for queued greedy steps (--queued-tables): the branches a request and the forced hit rate
+    the drafter is told, and whether a step asks for them. Their drafts serve a round only where every
+    request of it hit, so a step asks only while that is likely: the running hit rate to the power of its
+    rows at least WORTH (at a hit rate of 0.8, batch 1 to 3 ask; at batch 16, 3% of rounds would be served,
+    and drafting tables of 16 x 8 branches on the drafter cost the 8B shape a third of its tokens/s,
+    bench/results/session45/)."""
+
+    WORTH = 0.5
+
+    def __init__(self, branches: int = 0, forced_hit_rate: float | None = None):
+        self.branches, self.forced_hit_rate = branches, forced_hit_rate
+        self.hit_rate = 1.0  # per request looked up, a moving average
+
+    def branches_for(self, wants: list[Want]) -> int:
+        """The branches a request a queued step of these wants asks for (0: none)."""
+        if not self.branches or any(w.temperature > 0 for w in wants):
+            return 0
+        return self.branches if self.hit_rate ** len(wants) >= self.WORTH else 0
+
+    def count(self, metrics: VerifierMetrics, rows: int, hits: int, served: bool) -> None:
+        """A queued step's lookups (on the drafter's GPU): `hits` of its `rows` requests found their outcome;
+        served: its drafts were the tables'."""
+        metrics.cache["hit"].inc(hits)
+        metrics.cache["miss"].inc(max(0, rows - hits))
+        metrics.tables_ahead_served.inc(served)
+        kept = 0.95 ** rows
+        self.hit_rate = kept * self.hit_rate + (1 - kept) * hits / max(rows, 1)
 
 
 @dataclass
@@ -145,7 +167,8 @@ class LocalDrafterLink(_StepResults):
         self._queue, self._take = queue, take
         self.queues_drafts = queue is not None and take is not None
         self.queues_on_auto = True  # --queue-drafts auto queues where features live on a GPU
-        self.tables_ahead: tuple[int, float | None] = (0, None)  # branches a request, forced hit rate
+        self.tables_ahead = TablesAhead()  # (the scheduler sets it from --queued-tables)
+        self._tables_asked = False  # whether the last settle_drafts asked for them
         self.lookups = lookups
         self.names_rows = False  # features are handed over as tensors (views of the store), not named
         self.feature_device = feature_device
@@ -225,12 +248,12 @@ class LocalDrafterLink(_StepResults):
         """Queues the announced drafting behind the sampler whose packed output is `settled`. False if the
         drafter refused: it then holds these requests in an unknown state, and they must be re-sent whole."""
         (request_ids, wants, rows, features, feature_cells), self._announced = self._announced, None
-        branches, forced_hit_rate = self.tables_ahead
-        greedy = all(w.temperature == 0 for w in wants)
+        branches = self.tables_ahead.branches_for(wants)
+        self._tables_asked = bool(branches)
         try:
             self._queue(request_ids, [w.num_drafts for w in wants], [w.temperature for w in wants],
                         [w.top_k for w in wants], settled, rows, features, feature_cells,
-                        [branches] * len(wants) if branches and greedy else None, forced_hit_rate)
+                        [branches] * len(wants) if branches else None, self.tables_ahead.forced_hit_rate)
         except Exception as e:
             self._failed(e)
             return False
@@ -246,8 +269,8 @@ class LocalDrafterLink(_StepResults):
         except Exception as e:
             self._failed(e)
             return None
-        if self.tables_ahead[0] and all(w.temperature == 0 for w in wants):
-            count_lookups(self.metrics, len(wants), *self.lookups())
+        if self._tables_asked:
+            self.tables_ahead.count(self.metrics, len(wants), *self.lookups())
         return QueuedDrafts(request_ids, wants, proposal)
 
     def drop_drafts(self) -> None:
@@ -464,7 +487,7 @@ class DrafterLink(_StepResults):
         self.queues_on_auto = socket_path is not None
         # Tables ahead for queued greedy steps (Scheduler sets it from --queued-tables): branches a request
         # (0: none) and the synthetic benchmarks' forced hit rate (QueuedDrafts.forced_hit_rate).
-        self.tables_ahead: tuple[int, float | None] = (0, None)
+        self.tables_ahead = TablesAhead()  # (the scheduler sets it from --queued-tables)
         self._tables_asked = False  # whether the last queued step asked for them
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread = 0  # the loop's thread (start): settle_drafts on another hands the send to it
@@ -574,13 +597,12 @@ class DrafterLink(_StepResults):
             queued.settled_slot = self._slot.path
             if on_device:
                 queued.drafts_slot = self._drafted.path
-        branches, forced_hit_rate = self.tables_ahead
-        branches = branches if all(w.temperature == 0 for w in wants) else 0
+        branches = self.tables_ahead.branches_for(wants)
         for rid, want in zip(request_ids, wants, strict=True):
             queued.wants.add(request_id=rid, num_drafts=want.num_drafts, temperature=want.temperature,
                              top_k=want.top_k, num_branches=branches)
-        if branches and forced_hit_rate is not None:
-            queued.forced_hit_rate = forced_hit_rate
+        if branches and self.tables_ahead.forced_hit_rate is not None:
+            queued.forced_hit_rate = self.tables_ahead.forced_hit_rate
         self._tables_asked = bool(branches)
         queued.rows.extend(rows)
         queued.feature_cells.extend(feature_cells)
@@ -661,7 +683,7 @@ class DrafterLink(_StepResults):
         """The answer to a queued step; of `looked_up` requests (tables ahead), its hits are counted."""
         result = await self.result(future)
         if result is not None and looked_up:
-            count_lookups(self.metrics, looked_up, result.queued_hits, result.tables_served)
+            self.tables_ahead.count(self.metrics, looked_up, result.queued_hits, result.tables_served)
         return result
 
     def drop_drafts(self) -> None:

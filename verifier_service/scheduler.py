@@ -53,7 +53,13 @@ from specwire.verifier.alignment import (
     read_result,
     read_tables,
 )
-from specwire.verifier.drafter_link import DrafterLink, HandshakeRefused, LocalDrafterLink, QueuedDrafts
+from specwire.verifier.drafter_link import (
+    DrafterLink,
+    HandshakeRefused,
+    LocalDrafterLink,
+    QueuedDrafts,
+    TablesAhead,
+)
 from specwire.verifier.drafting_mode import MODES, QUEUED_MODES, DraftingMode
 from specwire.verifier.feature_store import FeatureStore, feature_table
 from specwire.verifier.request_error import RequestError, in_flight_already
@@ -1391,7 +1397,7 @@ class Scheduler:
         self._in_flight, self._sitting_out = None, False
         self._queued_drafts = None
         branches = min(self.config.queued_tables, self.link.info.max_branches)
-        self.link.tables_ahead = (branches, self.config.forced_hit_rate if branches else None)
+        self.link.tables_ahead = TablesAhead(branches, self.config.forced_hit_rate if branches else None)
         if self._drafting is not None and (modes := self._drafting_modes()) != self._drafting.modes:
             self._drafting = DraftingMode(self.config.drafting_epoch, modes=modes)
         self._wake.set()
