@@ -195,7 +195,9 @@ class EagleProposer:
         (self._meta, self._temperature, self._input_ids, self._feature_cells, self._settled_rows,
          self._table_rows, self._features) = self._inputs.tensors.values()
         self._queued: tuple | None = None  # queue_after_verification's rows, until take_queued
-        self.last_hits, self.tables_served = 0, False  # the last take_queued's, with tables ahead
+        # With tables ahead: the last queue's requests with a table to look in, the last take's hits and
+        # whether its drafts were the tables'.
+        self.last_lookups, self.last_hits, self.tables_served = 0, 0, False
         self._settled_counts = torch.zeros(0, dtype=torch.int64)  # its rows' settled counts, on the device
         # Outputs, written by every (replayed) run: the proposer's own float32 buffers.
         self._tokens = torch.zeros(n, K, dtype=torch.int64, device=dev)
@@ -418,8 +420,10 @@ class EagleProposer:
         host["feature_cells"][:B * T] = feature_cells
         host["settled_rows"][:B] = rows
         if tables:  # a table is looked up only where it is the last call's and drafted as many as asked now
-            host["table_rows"][:B] = [r.table_at if r.table_call == self._table_calls and r.table_drafts == k
-                                      else -1 for r, k in zip(requests, ks, strict=True)]
+            first = [r.table_at if r.table_call == self._table_calls and r.table_drafts == k else -1
+                     for r, k in zip(requests, ks, strict=True)]
+            host["table_rows"][:B] = first
+            self.last_lookups = sum(f >= 0 for f in first)
         self._inputs.send("features", 0)
         round_trace.mark("d.staged")
         mine = settled.to(self.device, non_blocking=True).index_select(0, self._settled_rows[:B])

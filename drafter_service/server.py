@@ -491,7 +491,9 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
         proposal = self.take_drafts(owned, self.proposer.queued_counts())
         round_trace.mark("d.taken_queued")
         if branches is not None:
-            result.queued_hits, result.tables_served = self.proposer.last_hits, self.proposer.tables_served
+            p = self.proposer
+            result.queued_hits, result.tables_served, result.queued_lookups = (
+                p.last_hits, p.tables_served, p.last_lookups)
         self._split(wants, proposal, temperature, top_k, result)
 
     # A co-located verifier's serial drafts without a DraftStep: queued on the device behind its sampler,

@@ -65,7 +65,8 @@ def test_hits_serve_the_tables_drafts_and_misses_the_serial_chains(tmp_path, arc
     # Round 1: no table yet (a miss): the serial chains, and tables drafted for their check.
     proposal, published, all_hit = Outcome(s, {"a": 2, "b": 1}).queue(s)
     chains = split(proposal)
-    assert not all_hit and not p.tables_served and p.last_hits == 0 and (published == -1).all()
+    assert not all_hit and not p.tables_served and p.last_hits == p.last_lookups == 0
+    assert (published == -1).all()
     assert chains == [greedy_chain(s, "a", K), greedy_chain(s, "b", K)]
     tables = {rid: list(p.requests[rid].branches) for rid in "ab"}
     assert all(tables.values())
@@ -74,7 +75,7 @@ def test_hits_serve_the_tables_drafts_and_misses_the_serial_chains(tmp_path, arc
     settled = {rid: chain[:e.accepted] + [e.bonus] for (rid, e), chain in zip(picked.items(), chains,
                                                                                strict=True)}
     proposal, published, all_hit = Outcome(s, settled).queue(s)
-    assert all_hit and p.tables_served and p.last_hits == 2
+    assert all_hit and p.tables_served and p.last_hits == p.last_lookups == 2
     assert split(proposal) == [picked["a"].token_ids, picked["b"].token_ids]
     assert published[:, :K].tolist() == [picked["a"].token_ids, picked["b"].token_ids]
     # (the branches' drafts are the reference's: the prefix and bonus fed with the head's own features)
@@ -92,7 +93,7 @@ def test_hits_serve_the_tables_drafts_and_misses_the_serial_chains(tmp_path, arc
     hit_b = next_tables["b"][0]
     settled = {"a": verifying["a"][:1] + [bonus], "b": verifying["b"][:hit_b.accepted] + [hit_b.bonus]}
     proposal, _, all_hit = Outcome(s, settled).queue(s)
-    assert not all_hit and not p.tables_served and p.last_hits == 1
+    assert not all_hit and not p.tables_served and p.last_hits == 1 and p.last_lookups == 2
     assert split(proposal) == [greedy_chain(s, "a", K), greedy_chain(s, "b", K)]
 
 
@@ -127,7 +128,7 @@ def test_a_table_from_another_call_or_a_failed_row_is_never_looked_up(tmp_path):
     entry = p.requests["a"].branches[0]
     Outcome(s, {"b": 2}).queue(s)  # a later table call, without a: a's rows were drafted over
     proposal, _, all_hit = Outcome(s, {"a": chain[:entry.accepted] + [entry.bonus]}).queue(s)
-    assert not all_hit and p.last_hits == 0
+    assert not all_hit and p.last_hits == p.last_lookups == 0
     assert split(proposal) == [greedy_chain(s, "a", K)]
     # a failed row settles nothing and keeps no table
     assert p.requests["a"].branches
@@ -148,3 +149,25 @@ def test_tables_ahead_refuse_sampled_rows_and_drafters_without_branch_slots(tmp_
     with pytest.raises(ProposerError, match="branch slots"):
         plain.proposer.queue_after_verification(["a"], o.packed, [0], o.flat, list(range(T)), [K], [0.0],
                                                 [0], num_branches=[N])
+
+
+def test_the_verifier_asks_for_tables_while_a_whole_batch_is_likely_to_hit():
+    """TablesAhead: a step asks while hit_rate ** rows >= 0.5 (greedy rows only); the rate moves with the
+    lookups, and requests without a table to look in leave it as it is."""
+    from specwire.verifier.alignment import Want
+    from specwire.verifier.drafter_link import TablesAhead
+
+    from specwire.metrics import VerifierMetrics
+
+    greedy, sampled = Want(4, 0.0, 0), Want(4, 0.7, 8)
+    ahead, metrics = TablesAhead(8, None), VerifierMetrics()
+    assert ahead.branches_for([greedy] * 16) == 8 and ahead.branches_for([greedy, sampled]) == 0
+    assert TablesAhead(0).branches_for([greedy]) == 0
+    ahead.count(metrics, rows=4, lookups=0, hits=0, served=False)  # a first round: no tables yet
+    assert ahead.hit_rate == 1.0
+    for _ in range(40):
+        ahead.count(metrics, rows=4, lookups=4, hits=3, served=False)
+    assert ahead.hit_rate == pytest.approx(0.75, abs=0.01)
+    assert [ahead.branches_for([greedy] * b) for b in (1, 2, 3)] == [8, 8, 0]
+    counts = {r: metrics.cache[r]._value.get() for r in ("hit", "miss", "unasked")}
+    assert counts == {"hit": 120, "miss": 40, "unasked": 4}

@@ -155,7 +155,8 @@ def colocated(checkpoint, tokenizer, metrics: VerifierMetrics, inline: bool = Fa
                             metrics, proposer.device, step_timeout=5.0, inline=inline,
                             queue=functools.partial(service.queue_drafts, 0),
                             take=functools.partial(service.take_drafts, owned),
-                            lookups=lambda: (proposer.last_hits, proposer.tables_served))
+                            lookups=lambda: (proposer.last_lookups, proposer.last_hits,
+                                             proposer.tables_served))
 
 
 def serving(channel: grpc.Channel) -> bool:
@@ -659,16 +660,17 @@ def test_colocated_tables_ahead_equal_target_only(world, forced_hit_rate):
     """Queued serial drafting with tables ahead (--queued-tables): each round's table is looked up from the
     sampler's output; rounds whose every request hit verify the tables' drafts, the others the serial ones.
     Target-only output either way, also where hits are forced (the drafter then takes a branch whose bonus
-    token is not the target's, as a synthetic benchmark does)."""
+    token is not the target's, as a synthetic benchmark does). The bigram head's own hits are too rare for
+    a batch of three to hit at once, so the verifier stops asking for tables (TablesAhead)."""
     v = Verifier(world.loop, world.checkpoint, world.tokenizer, "colocated-inline", cache_branches=0,
                  queue_drafts=True, max_slots=3, queued_tables=4, forced_hit_rate=forced_hit_rate)
     try:
         greedy_equals_target_only(world, v, 8, seed=43)
         hits, misses = v.counter(v.metrics.cache["hit"]), v.counter(v.metrics.cache["miss"])
         served = v.counter(v.metrics.tables_ahead_served)
-        assert v.counter(v.metrics.queued_drafts) > 0 and hits > 0 and misses > 0, (hits, misses)
-        if forced_hit_rate:  # (the bigram head's own hits rarely come for every request of a round at once)
-            assert served > 0, (hits, misses, served)
+        assert v.counter(v.metrics.queued_drafts) > 0 and hits + misses > 0, (hits, misses)
+        if forced_hit_rate:
+            assert hits > 0 and served > 0, (hits, misses, served)
     finally:
         v.close()
 

@@ -75,14 +75,18 @@ class TablesAhead:
             return 0
         return self.branches if self.hit_rate ** len(wants) >= self.WORTH else 0
 
-    def count(self, metrics: VerifierMetrics, rows: int, hits: int, served: bool) -> None:
-        """A queued step's lookups (on the drafter's GPU): `hits` of its `rows` requests found their outcome;
-        served: its drafts were the tables'."""
+    def count(self, metrics: VerifierMetrics, rows: int, lookups: int, hits: int, served: bool) -> None:
+        """A queued step of `rows` requests with tables ahead: `lookups` of them had a table to look in (on
+        the drafter's GPU), `hits` found their outcome there; served: its drafts were the tables'."""
+        lookups = min(lookups, rows)
+        hits = min(hits, lookups)
         metrics.cache["hit"].inc(hits)
-        metrics.cache["miss"].inc(max(0, rows - hits))
+        metrics.cache["miss"].inc(lookups - hits)
+        metrics.cache["unasked"].inc(rows - lookups)
         metrics.tables_ahead_served.inc(served)
-        kept = 0.95 ** rows
-        self.hit_rate = kept * self.hit_rate + (1 - kept) * hits / max(rows, 1)
+        if lookups:  # (a request without a table says nothing of the rate)
+            kept = 0.95 ** lookups
+            self.hit_rate = kept * self.hit_rate + (1 - kept) * hits / lookups
 
 
 @dataclass
@@ -155,14 +159,15 @@ class LocalDrafterLink(_StepResults):
                  info: pb.DrafterInfo, mismatch: Callable[[pb.HandshakeRequest], str],
                  metrics: VerifierMetrics, feature_device: torch.device, step_timeout: float = 0.5,
                  max_in_flight: int = 4, inline: bool = False, queue: Callable | None = None,
-                 take: Callable | None = None, lookups: Callable[[], tuple[int, bool]] = lambda: (0, False)):
+                 take: Callable | None = None,
+                 lookups: Callable[[], tuple[int, int, bool]] = lambda: (0, 0, False)):
         """run_step(step, features): the drafter's step function, given each update's features by request
         id; mismatch: the drafter's handshake check (a one-line reason, or empty); feature_device: where
         the drafter takes features; inline: serial steps may run on the loop (for a GPU drafter, whose step
         is mostly launches and one wait). queue / take: the drafter's queue_drafts and take_drafts
         (DrafterService's, bound to this link's stream), or None; lookups: how many requests of the last
-        take found their outcome in a table ahead (tables_ahead, as DrafterLink's), and whether its drafts
-        are the tables'."""
+        take had a table ahead to look in (tables_ahead, as DrafterLink's), how many found their outcome
+        there, and whether its drafts are the tables'."""
         self._run_step, self._info, self._mismatch, self._inline = run_step, info, mismatch, inline
         self._queue, self._take = queue, take
         self.queues_drafts = queue is not None and take is not None
@@ -234,21 +239,22 @@ class LocalDrafterLink(_StepResults):
         return self.queues_drafts and self.connected and self._in_flight == 0
 
     def announce_drafts(self, request_ids: list[str], wants: list[Want], rows: list[int],
-                        features: torch.Tensor, feature_cells: list[int], settled_shape: tuple[int, int]
-                        ) -> bool:
+                        features: torch.Tensor, feature_cells: list[int], settled_shape: tuple[int, int],
+                        tables: bool = True) -> bool:
         """The next drafts of these requests are to be queued behind the sampler about to be launched, whose
         packed output [N, W] = settled_shape settle_drafts then hands over (rows[b]: request b's row;
         features: flat rows on feature_device, feature_cells[b * (max_num_drafts + 1) + j]: the row of the
         feature before request b's j-th settled token). Every request must be held by the drafter with its
-        last tokens drafted from. In process, the drafting is queued by settle_drafts."""
-        self._announced = (request_ids, wants, rows, features, feature_cells)
+        last tokens drafted from. tables: tables ahead may be asked for (TablesAhead decides). In process,
+        the drafting is queued by settle_drafts."""
+        self._announced = (request_ids, wants, rows, features, feature_cells, tables)
         return True
 
     def settle_drafts(self, settled: torch.Tensor) -> bool:
         """Queues the announced drafting behind the sampler whose packed output is `settled`. False if the
         drafter refused: it then holds these requests in an unknown state, and they must be re-sent whole."""
-        (request_ids, wants, rows, features, feature_cells), self._announced = self._announced, None
-        branches = self.tables_ahead.branches_for(wants)
+        (request_ids, wants, rows, features, feature_cells, tables), self._announced = self._announced, None
+        branches = self.tables_ahead.branches_for(wants) if tables else 0
         self._tables_asked = bool(branches)
         try:
             self._queue(request_ids, [w.num_drafts for w in wants], [w.temperature for w in wants],
@@ -560,8 +566,8 @@ class DrafterLink(_StepResults):
         return self._drafted is not None and self._drafts is not None
 
     def announce_drafts(self, request_ids: list[str], wants: list[Want], rows: list[int],
-                        features: torch.Tensor, feature_cells: list[int], settled_shape: tuple[int, int]
-                        ) -> bool:
+                        features: torch.Tensor, feature_cells: list[int], settled_shape: tuple[int, int],
+                        tables: bool = True) -> bool:
         """As LocalDrafterLink.announce_drafts, for a drafter in another process on this host (called on
         the loop, or on a CPU verifier's worker thread): `features` must be the shared table. On a GPU the
         step goes out now, so the drafter queues its work while the sampler is still being launched; its GPU
@@ -597,7 +603,7 @@ class DrafterLink(_StepResults):
             queued.settled_slot = self._slot.path
             if on_device:
                 queued.drafts_slot = self._drafted.path
-        branches = self.tables_ahead.branches_for(wants)
+        branches = self.tables_ahead.branches_for(wants) if tables else 0
         for rid, want in zip(request_ids, wants, strict=True):
             queued.wants.add(request_id=rid, num_drafts=want.num_drafts, temperature=want.temperature,
                              top_k=want.top_k, num_branches=branches)
@@ -675,15 +681,17 @@ class DrafterLink(_StepResults):
         if self._drafted is not None and self._drafts is not None:
             on_device = DeviceDrafts(self._drafts, self._drafted, self._sequence, self.info.max_num_drafts,
                                      self._drafted_watch, self.step_timeout)
-        looked_up = len(asked) if self._tables_asked else 0
-        return QueuedDrafts(request_ids, asked, None, answer=lambda: self._queued_answer(future, looked_up),
+        tabled = len(asked) if self._tables_asked else 0
+        return QueuedDrafts(request_ids, asked, None, answer=lambda: self._queued_answer(future, tabled),
                             vocab_size=self.handshake.vocab_size, on_device=on_device)
 
-    async def _queued_answer(self, future: asyncio.Future, looked_up: int) -> pb.DraftResult | None:
-        """The answer to a queued step; of `looked_up` requests (tables ahead), its hits are counted."""
+    async def _queued_answer(self, future: asyncio.Future, tabled: int) -> pb.DraftResult | None:
+        """The answer to a queued step; where it asked `tabled` requests for tables ahead, their lookups are
+        counted."""
         result = await self.result(future)
-        if result is not None and looked_up:
-            self.tables_ahead.count(self.metrics, looked_up, result.queued_hits, result.tables_served)
+        if result is not None and tabled:
+            self.tables_ahead.count(self.metrics, tabled, result.queued_lookups, result.queued_hits,
+                                    result.tables_served)
         return result
 
     def drop_drafts(self) -> None:

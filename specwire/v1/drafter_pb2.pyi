@@ -260,7 +260,7 @@ class Proposal(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., probs_kind: _Optional[_Union[ProbsKind, str]] = ..., probs: _Optional[_Union[Tensor, _Mapping]] = ..., sparse: _Optional[_Union[SparseProbs, _Mapping]] = ..., branch: _Optional[_Union[Branch, _Mapping]] = ...) -> None: ...
 
 class DraftResult(_message.Message):
-    __slots__ = ("step_id", "proposals", "error", "compute_seconds", "dropped_request_ids", "shared_features_error", "queued_hits", "tables_served")
+    __slots__ = ("step_id", "proposals", "error", "compute_seconds", "dropped_request_ids", "shared_features_error", "queued_hits", "tables_served", "queued_lookups")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     PROPOSALS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
@@ -269,6 +269,7 @@ class DraftResult(_message.Message):
     SHARED_FEATURES_ERROR_FIELD_NUMBER: _ClassVar[int]
     QUEUED_HITS_FIELD_NUMBER: _ClassVar[int]
     TABLES_SERVED_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_LOOKUPS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     proposals: _containers.RepeatedCompositeFieldContainer[Proposal]
     error: str
@@ -277,4 +278,5 @@ class DraftResult(_message.Message):
     shared_features_error: str
     queued_hits: int
     tables_served: bool
-    def __init__(self, step_id: _Optional[int] = ..., proposals: _Optional[_Iterable[_Union[Proposal, _Mapping]]] = ..., error: _Optional[str] = ..., compute_seconds: _Optional[float] = ..., dropped_request_ids: _Optional[_Iterable[str]] = ..., shared_features_error: _Optional[str] = ..., queued_hits: _Optional[int] = ..., tables_served: _Optional[bool] = ...) -> None: ...
+    queued_lookups: int
+    def __init__(self, step_id: _Optional[int] = ..., proposals: _Optional[_Iterable[_Union[Proposal, _Mapping]]] = ..., error: _Optional[str] = ..., compute_seconds: _Optional[float] = ..., dropped_request_ids: _Optional[_Iterable[str]] = ..., shared_features_error: _Optional[str] = ..., queued_hits: _Optional[int] = ..., tables_served: _Optional[bool] = ..., queued_lookups: _Optional[int] = ...) -> None: ...
