@@ -521,6 +521,7 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
                                    num_branches, forced_hit_rate, publish)
         self._queued, self._queue_seconds = keys, time.perf_counter() - started
 
+    @torch.inference_mode()  # (with tables ahead it drafts the next tables into the proposer's buffers)
     def take_drafts(self, owned: set[str], counts: list[int] | None, on_device: bool = False
                     ) -> Proposal | None:
         """The queued drafts, once `counts` (tokens each request settled) are known (on_device: their ids

@@ -105,6 +105,20 @@ def test_greedy_speculative_output_equals_target_only(setup, arch, cache_branche
         assert stats["draft_tokens"] < run(0.0)["draft_tokens"]
 
 
+def test_tables_ahead_are_looked_up_in_every_round_and_keep_greedy_output(setup):
+    """--queued-tables: drafts queued behind the sampler with tables ahead, asked for in every steady round
+    (a measurement of how often a table holds the outcome); greedy output stays target-only."""
+    target, heads, prompts = setup
+    engine, tok = build_engine(str(target), str(heads["eagle3"]), "cpu", batch=2, k=4)
+    ids = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}])) for p in ("Hi", "Count.")]
+    params = [SamplingParams(max_tokens=24, ignore_eos=True)] * 2
+    want = [r.token_ids for r in engine.generate(ids, params)]
+    done = asyncio.run(speculate(engine, tok, str(heads["eagle3"]), ids, params, k=4, queued_tables=4))
+    stats = done.summary()
+    assert done.outputs == want
+    assert stats["cache_lookups"]["hit"] + stats["cache_lookups"]["miss"] > 0 and stats["draft_tokens"] > 0
+
+
 def test_bench_needs_local(setup, capsys):
     target, heads, prompts = setup
     assert main(["bench", "--prompts", str(prompts)]) == 2

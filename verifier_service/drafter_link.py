@@ -59,21 +59,18 @@ class TablesAhead:
     """Tables ahead for queued greedy steps (--queued-tables): the branches a request and the forced hit rate
     the drafter is told, and whether a step asks for them. Their drafts serve a round only where every
     request of it hit, so a step asks only while that is likely: the running hit rate to the power of its
-    rows at least WORTH (at a hit rate of 0.8, batch 1 to 3 ask; at batch 16, 3% of rounds would be served,
-    and drafting tables of 16 x 8 branches on the drafter cost the 8B shape a third of its tokens/s,
-    bench/results/session45/)."""
+    rows at least `worth` (0.5: at a hit rate of 0.8, batch 1 to 3 ask; at batch 16, 3% of rounds would be
+    served, for the drafter's time drafting tables of 16 x 8 branches)."""
 
-    WORTH = 0.5
-
-    def __init__(self, branches: int = 0, forced_hit_rate: float | None = None):
-        self.branches, self.forced_hit_rate = branches, forced_hit_rate
+    def __init__(self, branches: int = 0, forced_hit_rate: float | None = None, worth: float = 0.5):
+        self.branches, self.forced_hit_rate, self.worth = branches, forced_hit_rate, worth
         self.hit_rate = 1.0  # per request looked up, a moving average
 
     def branches_for(self, wants: list[Want]) -> int:
         """The branches a request a queued step of these wants asks for (0: none)."""
         if not self.branches or any(w.temperature > 0 for w in wants):
             return 0
-        return self.branches if self.hit_rate ** len(wants) >= self.WORTH else 0
+        return self.branches if self.hit_rate ** len(wants) >= self.worth else 0
 
     def count(self, metrics: VerifierMetrics, rows: int, lookups: int, hits: int, served: bool) -> None:
         """A queued step of `rows` requests with tables ahead: `lookups` of them had a table to look in (on

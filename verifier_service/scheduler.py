@@ -240,6 +240,8 @@ class SchedulerConfig:
     # looked up on its GPU from the sampler's output, so a round whose every request hit has its drafts
     # before the serial drafting. With forced_hit_rate, the drafter forces its lookups' hits (synthetic).
     queued_tables: int = 0
+    # Tables ahead are asked for while hit_rate ** rows is at least this (TablesAhead.worth).
+    queued_tables_worth: float = 0.5
     # Drafts read on the device (a drafter process on this host, greedy rows): queue each round's forward
     # right behind the last one's launch, its first tokens and positions taken from that round's sampler on
     # the device, so that the GPU never waits for the host between rounds (Scheduler._launch_ahead).
@@ -1405,7 +1407,8 @@ class Scheduler:
         self._in_flight, self._sitting_out = None, False
         self._queued_drafts = None
         branches = min(self.config.queued_tables, self.link.info.max_branches)
-        self.link.tables_ahead = TablesAhead(branches, self.config.forced_hit_rate if branches else None)
+        self.link.tables_ahead = TablesAhead(branches, self.config.forced_hit_rate if branches else None,
+                                             self.config.queued_tables_worth)
         if self._drafting is not None and (modes := self._drafting_modes()) != self._drafting.modes:
             self._drafting = DraftingMode(self.config.drafting_epoch, modes=modes)
         self._wake.set()

@@ -52,6 +52,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="speculation-cache table entries per request (default 0: draft each round)",
     )
     parser.add_argument(
+        "--queued-tables",
+        type=int,
+        default=0,
+        help="drafts queued behind the sampler with tables ahead of this many branches a request, looked "
+        "up from each sampler's output (greedy only; asked for in every round, to measure how often a table "
+        "holds the outcome; default 0)",
+    )
+    parser.add_argument(
         "--table-wait-ms",
         type=float,
         default=None,
@@ -78,8 +86,9 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--k must be in [1, 16], got {args.k}")
     if args.batch < 1:
         raise ValueError(f"--batch must be >= 1, got {args.batch}")
-    if args.cache_branches < 0:
-        raise ValueError(f"--cache-branches must be >= 0, got {args.cache_branches}")
+    if args.cache_branches < 0 or args.queued_tables < 0:
+        raise ValueError(f"--cache-branches and --queued-tables must be >= 0, got {args.cache_branches} and "
+                         f"{args.queued_tables}")
     SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens).validate()
     from specwire.drafter.self_distill import read_prompts
 
@@ -101,6 +110,7 @@ def run(args: argparse.Namespace) -> int:
             params,
             k=args.k,
             cache_branches=args.cache_branches,
+            queued_tables=args.queued_tables,
             min_confidence=args.min_confidence,
             table_wait=None if args.table_wait_ms is None else args.table_wait_ms / 1e3,
             just_in_time_wait=None if args.just_in_time_wait_ms is None else args.just_in_time_wait_ms / 1e3,
@@ -114,6 +124,7 @@ def run(args: argparse.Namespace) -> int:
         "temperature": args.temperature,
         "batch": args.batch,
         "cache_branches": args.cache_branches,
+        "queued_tables": args.queued_tables,
         "min_confidence": args.min_confidence,
         "device": str(engine.device),
     }
@@ -182,6 +193,8 @@ class LocalRun:
             "draft_tokens": int(draft_tokens),
             "accepted_tokens": int(accepted),
             "cache_hit_rate": round(lookups["hit"] / looked_up, 4) if looked_up else None,
+            "cache_lookups": {r: int(n) for r, n in lookups.items()},
+            "queued_tables_served": int(self._value("queued_tables_served")),
             "just_in_time": {
                 r: int(self._value("spec_cache_just_in_time", result=r)) for r in JUST_IN_TIME_RESULTS
             },
@@ -200,6 +213,7 @@ async def speculate(
     params: list[SamplingParams],
     k: int,
     cache_branches: int = 0,
+    queued_tables: int = 0,
     min_confidence: float = 0.0,
     table_wait: float | None = None,
     just_in_time_wait: float | None = None,
@@ -220,7 +234,7 @@ async def speculate(
         head=head,
         device=None,
         k=k,
-        max_branches=cache_branches,
+        max_branches=max(cache_branches, queued_tables),
         cuda_graphs=cuda_graphs,
         min_confidence=min_confidence,
         step_timeout=60.0,
@@ -232,6 +246,9 @@ async def speculate(
         cache_branches=cache_branches,
         table_wait=table_wait,
         just_in_time_wait=just_in_time_wait,
+        queue_drafts=True if queued_tables else None,
+        queued_tables=queued_tables,
+        queued_tables_worth=0.0,  # a measurement: every steady round asks, whatever the hit rate
     )
     scheduler = Scheduler(engine, tokenizer, metrics, config, link)
     scheduler.start()
