@@ -1257,7 +1257,7 @@ class Scheduler:
         them after the most it can settle). A row this round ends is verified once more, for nothing."""
         if not (self.config.launch_ahead and self.link.drafts_readable_on_device):
             return False
-        if not self._steady(live, queue, carry):
+        if self.waiting or not self._steady(live, queue, carry):
             return False
         for r, k, want in zip(live, num_drafts, wants, strict=True):
             room = min(self.max_context - len(r.tokens), r.params.max_tokens - r.num_output) - 1 - (k + 1)
@@ -1266,12 +1266,13 @@ class Scheduler:
         return True
 
     def _steady(self, live: list[Request], queue: list[int], carry: list[Request]) -> bool:
-        """Whether the next round's rows are this one's, all with drafts queued now: nothing waits to join or
-        rides along, no step is out, no running request sits this round out. Tables ahead are asked for only
+        """Whether the next round's rows are this one's, all with drafts queued now: nothing rides along or
+        could join (a request waits while a slot is free), no step is out, no running request sits this round
+        out. Tables ahead are asked for only
         then: a round whose rows wait for a step's answer while the drafter drafts tables waits longer, rows
         sit out, the batch splits into rounds of one or two, each asking for tables again (8B shape, batch 16:
         1.35x against 1.80x without them, bench/results/session45/)."""
-        if carry or self.waiting or self._in_flight is not None:
+        if carry or self._in_flight is not None or (self.waiting and self.engine.num_free_slots):
             return False
         if len(queue) != len(live) or not all(r.live for r in live):
             return False
