@@ -134,17 +134,24 @@ def test_rows_named_in_the_shared_table_are_the_target_features(in_process_mappi
     assert sent < tokens * 3 * config.hidden_size * 4 / 4, f"{sent} bytes sent for {tokens} tokens"
 
 
+def queuing_drafter(branches: int):
+    """recording_drafter's (config, sd, head, engine, proposer, handed) for a CPU drafter service that maps
+    the table and says it queues, with the keys it queued for (filled as it runs) and the service."""
+    config, sd, head, engine, proposer, handed = recording_drafter("cpu", "cpu", branches, 0)
+    queued = recording_queued(proposer, handed)
+    service = drafter_service(proposer, config)
+    says_it_maps(service)
+    service.info.queues_drafts = True
+    return (config, sd, head, engine, proposer, handed), queued, service
+
+
 def test_drafts_queued_behind_the_sampler_across_processes_read_what_it_settled(in_process_mapping):
     """A drafter that maps the table and says it queues gets its serial steps as the verification starts,
     with the sampler's output shared instead of the tokens (on a GPU its stream waits for the verifier's
     event; a CPU's copy is done when it returns). It must be handed the target's features of every token,
     read from the shared table at the cells the step names, and the outputs must be those of serial steps
     sent after the verification."""
-    config, sd, head, engine, proposer, handed = recording_drafter("cpu", "cpu", 0, 0)
-    queued = recording_queued(proposer, handed)
-    service = drafter_service(proposer, config)
-    says_it_maps(service)
-    service.info.queues_drafts = True
+    (config, sd, head, engine, _, handed), queued, service = queuing_drafter(0)
     _, (outputs, _) = asyncio.run(generate_over_grpc(service, engine, 0, VerifierMetrics(),
                                                      queue_drafts=True))
     assert queued, "no drafts were queued behind a sampler"
@@ -162,12 +169,8 @@ def test_tables_ahead_across_processes_are_asked_for_looked_up_and_counted(in_pr
     the forced hit rate), the drafter looks them up and says in its answers how many hit and whether the
     round's drafts were the tables', which the verifier counts; the drafter is still handed the target's
     features of every token (gathered by its queued drafting, then committed by its tables)."""
-    config, sd, head, engine, proposer, handed = recording_drafter("cpu", "cpu", 4, 0)
+    (config, sd, head, engine, proposer, handed), queued, service = queuing_drafter(4)
     proposer.uniform_outcomes = True  # a random head's q puts every branch at 0 accepted (forced rates here)
-    queued = recording_queued(proposer, handed)
-    service = drafter_service(proposer, config)
-    says_it_maps(service)
-    service.info.queues_drafts = True
     metrics = VerifierMetrics()
     _, (outputs, _) = asyncio.run(generate_over_grpc(service, engine, 0, metrics, queue_drafts=True,
                                                      queued_tables=4, forced_hit_rate=1.0))
@@ -184,11 +187,7 @@ def test_an_adaptive_verifier_queues_its_serial_epochs_across_processes(in_proce
     epochs' drafts behind the sampler over the real link: the drafter is still handed the target's features
     of every token, through table, serial, queued and draftless rounds alike. By default (modes None) the
     tables take no part once the drafter says it queues."""
-    config, sd, head, engine, proposer, handed = recording_drafter("cpu", "cpu", 4, 0)
-    queued = recording_queued(proposer, handed)
-    service = drafter_service(proposer, config)
-    says_it_maps(service)
-    service.info.queues_drafts = True
+    (config, sd, head, engine, _, handed), queued, service = queuing_drafter(4)
     metrics = VerifierMetrics()
     link, (outputs, _) = asyncio.run(generate_over_grpc(service, engine, 4, metrics, queue_drafts=True,
                                                         drafting_epoch=3, drafting_modes=modes))
