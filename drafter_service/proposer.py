@@ -419,6 +419,7 @@ class EagleProposer:
         host["input_ids"][:size] = 0
         host["feature_cells"][:B * T] = feature_cells
         host["settled_rows"][:B] = rows
+        self.last_lookups, self.last_hits, self.tables_served = 0, 0, False  # (take_queued's, with tables)
         if tables:  # a table is looked up only where it is the last call's and drafted as many as asked now
             first = [r.table_at if r.table_call == self._table_calls and r.table_drafts == k else -1
                      for r, k in zip(requests, ks, strict=True)]

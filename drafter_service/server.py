@@ -125,24 +125,24 @@ class _SharedOutput:
         self._close_drafted(device)  # (a verifier's second slot on one stream replaces the first)
         self.drafted = slot
 
+    def _drafts_cells(self, rows: int, width: int) -> torch.Tensor:
+        """The verifier's buffer's first rows x width cells, [rows, width]; refused if it is smaller."""
+        if rows * width > self.drafts.numel():
+            raise WireError(f"queued drafts: {rows} x {width} drafts do not fit the verifier's buffer of "
+                            f"{self.drafts.numel()}")
+        return self.drafts.view(-1)[:rows * width].view(rows, width)
+
     def return_drafts(self, drafts: torch.Tensor, sequence: int) -> None:
         """Queues on this GPU, behind the drafting: drafts [n, width] into the verifier's buffer, then
         `sequence` into its slot."""
-        n, width = drafts.shape
-        if n * width > self.drafts.numel():
-            raise WireError(f"queued drafts: {n} x {width} drafts do not fit the verifier's buffer of "
-                            f"{self.drafts.numel()}")
-        self.drafts.view(-1)[:n * width].view(n, width).copy_(drafts, non_blocking=True)
+        self._drafts_cells(*drafts.shape).copy_(drafts, non_blocking=True)
         write_value(self.drafted, sequence, torch.cuda.current_stream(drafts.device))
 
     def publish_to(self, rows: int, width: int, sequence: int) -> table_lookup.Publish:
         """Where a lookup of tables ahead that hit for every request puts the step's drafts ([rows, width]
         into the verifier's buffer, as return_drafts does) and its number."""
-        if rows * width > self.drafts.numel():
-            raise WireError(f"queued drafts: {rows} x {width} drafts do not fit the verifier's buffer of "
-                            f"{self.drafts.numel()}")
-        slot = table_lookup.Address(self.drafted.address)
-        return table_lookup.Publish(self.drafts.view(-1), slot, sequence)
+        cells = self._drafts_cells(rows, width).view(-1)
+        return table_lookup.Publish(cells, table_lookup.Address(self.drafted.address), sequence)
 
     def release_drafted(self, sequence: int) -> None:
         """From the host: the verifier's GPU reads whatever the buffer holds (a refused step)."""
@@ -464,12 +464,6 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
         top_k = [min(w.top_k, self.proposer.max_top_k) if t > 0 else 0
                  for w, t in zip(wants, temperature, strict=True)]
         branches = [w.num_branches for w in wants] if wants and all(w.num_branches for w in wants) else None
-        if branches and (not self.proposer.max_branches or self.proposer.min_confidence):
-            if not self._tables_refused:  # served as plain queued steps: said once
-                log.warning("tables ahead asked for, but this drafter has no branch slots (--max-branches "
-                            "0) or drafts to a confidence (--min-confidence): serial drafts only")
-                self._tables_refused = True
-            branches = None
         returned = slot is not None and shared.drafted is not None and shared.drafts is not None
         publish = (shared.publish_to(len(wants), self.proposer.max_drafts, queued.sequence)
                    if returned and branches else None)
@@ -491,9 +485,7 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
         proposal = self.take_drafts(owned, self.proposer.queued_counts())
         round_trace.mark("d.taken_queued")
         if branches is not None:
-            p = self.proposer
-            result.queued_hits, result.tables_served, result.queued_lookups = (
-                p.last_hits, p.tables_served, p.last_lookups)
+            result.queued_lookups, result.queued_hits, result.tables_served = self.lookups()
         self._split(wants, proposal, temperature, top_k, result)
 
     # A co-located verifier's serial drafts without a DraftStep: queued on the device behind its sampler,
@@ -514,12 +506,24 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
         if unknown := [rid for rid, key in zip(request_ids, keys, strict=True) if key not in self._known]:
             raise ProposerError(f"unknown request {unknown[0]!r}")
         top_k = [min(tk, p.max_top_k) if t > 0 else 0 for t, tk in zip(temperature, top_k, strict=True)]
+        if num_branches is not None and (not p.max_branches or p.min_confidence):
+            if not self._tables_refused:  # served as plain queued steps: said once
+                log.warning("tables ahead asked for, but this drafter has no branch slots (--max-branches "
+                            "0) or drafts to a confidence (--min-confidence): serial drafts only")
+                self._tables_refused = True
+            num_branches = None
         if num_branches is not None:
             num_branches = [min(n, p.max_branches) for n in num_branches]
         p.queue_after_verification(keys, settled, rows, features, feature_cells,
                                    [min(k, p.max_drafts) for k in num_drafts], temperature, top_k,
                                    num_branches, forced_hit_rate, publish)
         self._queued, self._queue_seconds = keys, time.perf_counter() - started
+
+    def lookups(self) -> tuple[int, int, bool]:
+        """Of the last queued step with tables ahead: how many requests had a table to look in, how many
+        found their outcome there, and whether its drafts were the tables'."""
+        p = self.proposer
+        return p.last_lookups, p.last_hits, p.tables_served
 
     @torch.inference_mode()  # (with tables ahead it drafts the next tables into the proposer's buffers)
     def take_drafts(self, owned: set[str], counts: list[int] | None, on_device: bool = False

@@ -97,6 +97,7 @@ def look_up(settled: torch.Tensor, rows: torch.Tensor, first: torch.Tensor, tabl
             draws: torch.Tensor | None, rate: float, out: Lookup, publish: Publish | None = None) -> None:
     """look_up_ref's results, queued without a wait: on CUDA one Triton program (which also publishes, on
     the device's word: the host never learns before), else the reference."""
+    # (not ops' SPECWIRE_TORCH_OPS switch: on a GPU the reference cannot write a mapped host address)
     if table_lookup_triton is not None and first.is_cuda:
         table_lookup_triton.look_up(settled, rows, first, table, draws, rate, out, publish)
     else:

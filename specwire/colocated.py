@@ -42,5 +42,4 @@ def colocated_link(engine: TargetEngine, tokenizer: Tokenizer, metrics: Verifier
                             inline=proposer.device.type == "cuda",
                             queue=functools.partial(service.queue_drafts, 0),
                             take=functools.partial(service.take_drafts, owned),
-                            lookups=lambda: (proposer.last_lookups, proposer.last_hits,
-                                             proposer.tables_served))
+                            lookups=service.lookups)

@@ -152,8 +152,8 @@ def test_tables_ahead_refuse_sampled_rows_and_drafters_without_branch_slots(tmp_
 
 
 def test_the_verifier_asks_for_tables_while_a_whole_batch_is_likely_to_hit():
-    """TablesAhead: a step asks while hit_rate ** rows >= 0.5 (greedy rows only); the rate moves with the
-    lookups, and requests without a table to look in leave it as it is."""
+    """TablesAhead: a steady round's step asks while hit_rate ** rows >= 0.5 (greedy rows only); the rate
+    moves with the lookups, and requests without a table to look in leave it as it is."""
     from specwire.verifier.alignment import Want
     from specwire.verifier.drafter_link import TablesAhead
 
@@ -161,13 +161,14 @@ def test_the_verifier_asks_for_tables_while_a_whole_batch_is_likely_to_hit():
 
     greedy, sampled = Want(4, 0.0, 0), Want(4, 0.7, 8)
     ahead, metrics = TablesAhead(8, None), VerifierMetrics()
-    assert ahead.branches_for([greedy] * 16) == 8 and ahead.branches_for([greedy, sampled]) == 0
-    assert TablesAhead(0).branches_for([greedy]) == 0
+    assert ahead.ask([greedy] * 16, True) == 8 and ahead.ask([greedy, sampled], True) == 0
+    assert TablesAhead(0).ask([greedy], True) == 0
+    assert ahead.ask([greedy], False) == 0 == ahead.asked  # (not a steady round)
     ahead.count(metrics, rows=4, lookups=0, hits=0, served=False)  # a first round: no tables yet
     assert ahead.hit_rate == 1.0
     for _ in range(40):
         ahead.count(metrics, rows=4, lookups=4, hits=3, served=False)
     assert ahead.hit_rate == pytest.approx(0.75, abs=0.01)
-    assert [ahead.branches_for([greedy] * b) for b in (1, 2, 3)] == [8, 8, 0]
+    assert [ahead.ask([greedy] * b, True) for b in (1, 2, 3)] == [8, 8, 0]
     counts = {r: metrics.cache[r]._value.get() for r in ("hit", "miss", "unasked")}
     assert counts == {"hit": 120, "miss": 40, "unasked": 4}

@@ -155,8 +155,7 @@ def colocated(checkpoint, tokenizer, metrics: VerifierMetrics, inline: bool = Fa
                             metrics, proposer.device, step_timeout=5.0, inline=inline,
                             queue=functools.partial(service.queue_drafts, 0),
                             take=functools.partial(service.take_drafts, owned),
-                            lookups=lambda: (proposer.last_lookups, proposer.last_hits,
-                                             proposer.tables_served))
+                            lookups=service.lookups)
 
 
 def serving(channel: grpc.Channel) -> bool:

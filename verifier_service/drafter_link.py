@@ -57,7 +57,8 @@ _EXPIRED = object()  # a step future's result at its deadline: `result` counts t
 
 class TablesAhead:
     """Tables ahead for queued greedy steps (--queued-tables): the branches a request and the forced hit rate
-    the drafter is told, and whether a step asks for them. Their drafts serve a round only where every
+    the drafter is told, and whether a step asks for them (`asked`: the last step's branches). Their drafts
+    serve a round only where every
     request of it hit, so a step asks only while that is likely: the running hit rate to the power of its
     rows at least `worth` (0.5: at a hit rate of 0.8, batch 1 to 3 ask; at batch 16, 3% of rounds would be
     served, for the drafter's time drafting tables of 16 x 8 branches)."""
@@ -65,12 +66,15 @@ class TablesAhead:
     def __init__(self, branches: int = 0, forced_hit_rate: float | None = None, worth: float = 0.5):
         self.branches, self.forced_hit_rate, self.worth = branches, forced_hit_rate, worth
         self.hit_rate = 1.0  # per request looked up, a moving average
+        self.asked = 0
 
-    def branches_for(self, wants: list[Want]) -> int:
-        """The branches a request a queued step of these wants asks for (0: none)."""
-        if not self.branches or any(w.temperature > 0 for w in wants):
-            return 0
-        return self.branches if self.hit_rate ** len(wants) >= self.worth else 0
+    def ask(self, wants: list[Want], steady: bool) -> int:
+        """The branches a request a queued step of these wants asks for (0: none); steady: the scheduler's
+        word that the round may ask at all."""
+        likely = self.hit_rate ** len(wants) >= self.worth
+        greedy = not any(w.temperature > 0 for w in wants)
+        self.asked = self.branches if steady and greedy and likely else 0
+        return self.asked
 
     def count(self, metrics: VerifierMetrics, rows: int, lookups: int, hits: int, served: bool) -> None:
         """A queued step of `rows` requests with tables ahead: `lookups` of them had a table to look in (on
@@ -170,7 +174,6 @@ class LocalDrafterLink(_StepResults):
         self.queues_drafts = queue is not None and take is not None
         self.queues_on_auto = True  # --queue-drafts auto queues where features live on a GPU
         self.tables_ahead = TablesAhead()  # (the scheduler sets it from --queued-tables)
-        self._tables_asked = False  # whether the last settle_drafts asked for them
         self.lookups = lookups
         self.names_rows = False  # features are handed over as tensors (views of the store), not named
         self.feature_device = feature_device
@@ -251,8 +254,7 @@ class LocalDrafterLink(_StepResults):
         """Queues the announced drafting behind the sampler whose packed output is `settled`. False if the
         drafter refused: it then holds these requests in an unknown state, and they must be re-sent whole."""
         (request_ids, wants, rows, features, feature_cells, tables), self._announced = self._announced, None
-        branches = self.tables_ahead.branches_for(wants) if tables else 0
-        self._tables_asked = bool(branches)
+        branches = self.tables_ahead.ask(wants, tables)
         try:
             self._queue(request_ids, [w.num_drafts for w in wants], [w.temperature for w in wants],
                         [w.top_k for w in wants], settled, rows, features, feature_cells,
@@ -272,7 +274,7 @@ class LocalDrafterLink(_StepResults):
         except Exception as e:
             self._failed(e)
             return None
-        if self._tables_asked:
+        if self.tables_ahead.asked:
             self.tables_ahead.count(self.metrics, len(wants), *self.lookups())
         return QueuedDrafts(request_ids, wants, proposal)
 
@@ -488,10 +490,7 @@ class DrafterLink(_StepResults):
         # target-only at batch 1 against 0.99x-1.08x unqueued, bench/results/session33/); over gRPC, whose
         # writes wait for the loop, only when asked (--queue-drafts on): not measured there
         self.queues_on_auto = socket_path is not None
-        # Tables ahead for queued greedy steps (Scheduler sets it from --queued-tables): branches a request
-        # (0: none) and the synthetic benchmarks' forced hit rate (QueuedDrafts.forced_hit_rate).
         self.tables_ahead = TablesAhead()  # (the scheduler sets it from --queued-tables)
-        self._tables_asked = False  # whether the last queued step asked for them
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread = 0  # the loop's thread (start): settle_drafts on another hands the send to it
         self.channel_options = channel_options or grpc_common.ChannelOptions()
@@ -600,13 +599,12 @@ class DrafterLink(_StepResults):
             queued.settled_slot = self._slot.path
             if on_device:
                 queued.drafts_slot = self._drafted.path
-        branches = self.tables_ahead.branches_for(wants) if tables else 0
+        branches = self.tables_ahead.ask(wants, tables)
         for rid, want in zip(request_ids, wants, strict=True):
             queued.wants.add(request_id=rid, num_drafts=want.num_drafts, temperature=want.temperature,
                              top_k=want.top_k, num_branches=branches)
         if branches and self.tables_ahead.forced_hit_rate is not None:
             queued.forced_hit_rate = self.tables_ahead.forced_hit_rate
-        self._tables_asked = bool(branches)
         queued.rows.extend(rows)
         queued.feature_cells.extend(feature_cells)
         queued.settled_shape.extend([n, width])
@@ -678,7 +676,7 @@ class DrafterLink(_StepResults):
         if self._drafted is not None and self._drafts is not None:
             on_device = DeviceDrafts(self._drafts, self._drafted, self._sequence, self.info.max_num_drafts,
                                      self._drafted_watch, self.step_timeout)
-        tabled = len(asked) if self._tables_asked else 0
+        tabled = len(asked) if self.tables_ahead.asked else 0
         return QueuedDrafts(request_ids, asked, None, answer=lambda: self._queued_answer(future, tabled),
                             vocab_size=self.handshake.vocab_size, on_device=on_device)
 

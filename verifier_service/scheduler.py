@@ -1268,10 +1268,10 @@ class Scheduler:
     def _steady(self, live: list[Request], queue: list[int], carry: list[Request]) -> bool:
         """Whether the next round's rows are this one's, all with drafts queued now: nothing rides along or
         could join (a request waits while a slot is free), no step is out, no running request sits this round
-        out. Tables ahead are asked for only
-        then: a round whose rows wait for a step's answer while the drafter drafts tables waits longer, rows
-        sit out, the batch splits into rounds of one or two, each asking for tables again (8B shape, batch 16:
-        1.35x against 1.80x without them, bench/results/session45/)."""
+        out. Tables ahead are asked for only then: a round whose rows wait for a step's answer while the
+        drafter drafts tables waits longer, rows sit out, the batch splits into rounds of one or two, each
+        asking for tables again (8B shape, batch 16: 1.35x against 1.80x without them,
+        bench/results/session45/)."""
         if carry or self._in_flight is not None or (self.waiting and self.engine.num_free_slots):
             return False
         if len(queue) != len(live) or not all(r.live for r in live):
