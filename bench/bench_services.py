@@ -75,6 +75,7 @@ from services_metrics import (
     wire_bytes_per_step,
 )
 from services_setups import (
+    CACHE_BRANCHES,
     COLOCATED,
     SETUPS,
     TWO_PROCESSES,
@@ -106,10 +107,11 @@ def hit_rate(text: str) -> HitRate:
 
 
 def cache_setting(text: str) -> HitRate:
-    """A real head's speculation cache: 'on' (--cache-branches 8), 'off' (--cache-branches 0) or
-    'adaptive' (--drafting-epoch: tables, serial drafting or no drafts, whichever measures fastest)."""
-    if text.strip() not in ("on", "off", "adaptive"):
-        raise argparse.ArgumentTypeError(f"a cache setting is 'on', 'off' or 'adaptive', got {text!r}")
+    """A real head's speculation cache: 'on' (--cache-branches 8), 'off' (--cache-branches 0), 'ahead'
+    (tables ahead: --queued-tables 8, its hits the head's own) or 'adaptive' (--drafting-epoch: tables,
+    serial drafting or no drafts, whichever measures fastest)."""
+    if text.strip() not in ("on", "off", "ahead", "adaptive"):
+        raise argparse.ArgumentTypeError(f"a cache setting is on, off, ahead or adaptive, got {text!r}")
     return None if text.strip() == "on" else text.strip()
 
 
@@ -140,12 +142,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hit-rates", type=csv(hit_rate), default=[0.8, "off"],
                    help="the synthetic workload's speculation cache, first = first measured: R = "
                         "--forced-hit-rate R (a random head never guesses the bonus token itself), 'off' = "
-                        "--cache-branches 0, serial drafting, 'ahead:R' = that with --queued-tables 8 "
-                        "(tables ahead, looked up on the drafter's GPU) at forced hit rate R, 'ahead' = "
+                        "--cache-branches 0, serial drafting, 'ahead:R' = tables ahead (--queued-tables, "
+                        "looked up on the drafter's GPU) at forced hit rate R, 'ahead' = "
                         "unforced (default 0.8,off)")
     p.add_argument("--smollm2-cache", type=csv(cache_setting), default=[None, "off"],
                    help="the smollm2 workload's speculation cache, first = first measured: on = "
-                        "--cache-branches 8, off = --cache-branches 0, serial drafting, adaptive = "
+                        "--cache-branches 8, off = --cache-branches 0, serial drafting, ahead = tables "
+                        "ahead (--queued-tables, unforced), adaptive = "
                         "--drafting-epoch 16, whichever of tables, serial and no drafts measures fastest "
                         "(default on,off)")
     p.add_argument("--prompts", default=str(DEFAULT_PROMPTS), help="JSONL prompt file")
@@ -175,6 +178,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--loads", type=csv(load_kind), default=["batch"],
                    help="batch (all of a batch sent at once, --repeats times) and/or sustained (batch "
                         "requests in flight at a time; batch sizes > 1)")
+    p.add_argument("--branches", type=int, default=CACHE_BRANCHES,
+                   help="table entries per request of the speculation cache and of tables ahead (the "
+                        "verifiers' --cache-branches / --queued-tables, the drafter's --max-branches)")
     p.add_argument("--paired", action="store_true",
                    help="each speculative point's batches alternate with target-only batches of the same "
                         "prompts on a target-only verifier kept beside it (target first, then the other "
@@ -527,7 +533,7 @@ def main(argv: list[str] | None = None) -> int:
         "prompts": {"file": args.prompts, "source_prefix": args.prompt_source,
                     "max_bytes": args.max_prompt_bytes, "count": len(prompts)},
         "max_tokens": args.max_tokens, "repeats": args.repeats, "min_requests": args.min_requests,
-        "loads": args.loads, "max_context": args.max_context,
+        "loads": args.loads, "max_context": args.max_context, "branches": args.branches,
         "client_processes": args.client_processes,
         "devices": {"drafter": args.drafter_device, "verifier": args.verifier_device},
         # the services read their defaults from these; a run under SPECWIRE_SWITCH_INTERVAL=... says so
@@ -536,7 +542,7 @@ def main(argv: list[str] | None = None) -> int:
     plan = jobs(args, ws)
     max_batch = max([*args.batch_sizes, *args.sweep_batch_sizes])
     fleet = Fleet(Devices(args.drafter_device, args.verifier_device), max_batch,
-                  max([*args.ks, *args.sweep_ks]), args.max_context)
+                  max([*args.ks, *args.sweep_ks]), args.max_context, branches=args.branches)
     rows: dict[str, list[dict]] = {w.name: [] for w in ws}
     skipped: dict[str, list[dict]] = {w.name: [] for w in ws}
     unavailable: dict[str, str] = {}  # setup -> why the services refused it

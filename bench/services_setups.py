@@ -34,7 +34,7 @@ TWO_GPUS = (*TWO_PROCESSES, "colocated_two_gpus")  # the setups whose drafter ru
 # (queued serial drafting with tables ahead looked up on the drafter's GPU), "ahead:R" (the same, hits forced
 # at rate R) or None
 HitRate = float | str | None
-CACHE_BRANCHES = 8  # table entries per request of the setups with the speculation cache
+CACHE_BRANCHES = 8  # default table entries per request of the setups with the speculation or tables ahead
 
 
 class SetupUnavailable(RuntimeError):
@@ -75,9 +75,9 @@ class Fleet:
     """The processes of one bench run: drafters kept per workload, verifiers started per configuration."""
 
     def __init__(self, devices: Devices, max_batch: int, max_k: int, max_context: int,
-                 startup_timeout: float = 240):
+                 startup_timeout: float = 240, branches: int = CACHE_BRANCHES):
         self.devices, self.max_batch, self.max_k = devices, max_batch, max_k
-        self.max_context, self.timeout = max_context, startup_timeout
+        self.max_context, self.timeout, self.branches = max_context, startup_timeout, branches
         self.logs = Path(tempfile.mkdtemp(prefix="specwire-bench-"))
         self.drafters: dict[str, Service] = {}
         self.targets: dict[str, Service] = {}  # per workload: the target-only verifier of --paired points
@@ -104,7 +104,8 @@ class Fleet:
             self.drafters[w.name] = self._start(f"drafter-{w.name}", [
                 "drafter", "--model", w.model, *head, *self.devices.flag("drafter"),
                 "--max-drafts", str(self.max_k), "--max-requests", str(max(64, self.max_batch)),
-                "--max-context", str(self.max_context), "--step-socket", self.step_socket(w)])
+                "--max-context", str(self.max_context), "--max-branches", str(self.branches),
+                "--step-socket", self.step_socket(w)])
         return self.drafters[w.name]
 
     def paired_target(self, w: Workload) -> Service:
@@ -138,9 +139,9 @@ class Fleet:
             argv += [*(["--forced-acceptance-length", str(length)] if length is not None else []),
                      # said either way: a co-located verifier's default is 0, a remote drafter's 8; and
                      # the drafting mode (a remote drafter's default: adaptive) fixed unless asked for
-                     "--cache-branches", "0" if hit == "off" or ahead else str(CACHE_BRANCHES),
+                     "--cache-branches", "0" if hit == "off" or ahead else str(self.branches),
                      "--drafting-epoch", str(DEFAULT_EPOCH_ROUNDS) if hit == "adaptive" else "0",
-                     *(["--queued-tables", str(CACHE_BRANCHES)] if ahead else []),
+                     *(["--queued-tables", str(self.branches)] if ahead else []),
                      *(["--forced-hit-rate", str(forced)] if isinstance(forced, float) else []),
                      *w.verifier_args]
         service = self._start(f"verifier-{w.name}-{setup}{role}-k{k}-L{length}-hit{hit}", argv)
