@@ -195,7 +195,6 @@ class EagleProposer:
         (self._meta, self._temperature, self._input_ids, self._feature_cells, self._settled_rows,
          self._table_rows, self._features) = self._inputs.tensors.values()
         self._queued: tuple | None = None  # queue_after_verification's rows, until take_queued
-        self._tables_due: tuple | None = None  # draft_branches' arguments, from take_queued (tables ahead)
         # With tables ahead: the last queue's requests with a table to look in, the last take's hits and
         # whether its drafts were the tables'.
         self.last_lookups, self.last_hits, self.tables_served = 0, 0, False
@@ -225,7 +224,6 @@ class EagleProposer:
     def add(self, request_id: str, token_ids: list[int], features: torch.Tensor) -> None:
         """A new request: its tokens so far (prompt + first sampled token) and the target features of all
         but the last token ([len(token_ids) - 1, feature_dim])."""
-        self.draft_due_tables()
         if request_id in self.requests:
             raise ProposerError(f"request {request_id!r} already exists")
         if len(self.requests) >= self.max_requests:
@@ -240,11 +238,9 @@ class EagleProposer:
     def update(self, request_id: str, accepted_token_ids: list[int], features: torch.Tensor) -> None:
         """After verification: the request's new tokens and the target features of the positions before
         each of them (the verified [last token, accepted drafts]): one feature per new token."""
-        self.draft_due_tables()
         self._append(request_id, self._get(request_id), accepted_token_ids, features)
 
     def free(self, request_id: str) -> None:
-        self.draft_due_tables()
         request = self._get(request_id)
         self._release_branches(request)
         self._free_slots.append(request.slot)
@@ -294,7 +290,6 @@ class EagleProposer:
         drafts (draft_branches with VERIFYING_CHAIN). The head's outputs after each draft stay in the slot as
         a branch leaves them, and the last settled pair stays pending, so that table's first step re-feeds
         it (the same K/V) and reads the output that predicts the first draft."""
-        self.draft_due_tables()
         B = len(request_ids)
         requests = self._checked(request_ids, num_drafts, temperature, top_k)
         for rid, req, k in zip(request_ids, requests, num_drafts, strict=True):
@@ -398,7 +393,6 @@ class EagleProposer:
         request missed. forced_hit_rate (synthetic benchmarks, whose random heads hit nothing): a request
         whose table has a branch for the number of drafts accepted takes the likeliest of them at this rate,
         as if its bonus token were that branch's."""
-        self.draft_due_tables()
         B, T = len(request_ids), self._T
         requests = self._checked(request_ids, num_drafts, temperature, top_k)
         tables = num_branches is not None
@@ -495,8 +489,8 @@ class EagleProposer:
         """The drafts queued by queue_after_verification (waits for them), once the host has read how many
         tokens each request settled (its sampler count, 0 for a failed row): those tokens are committed.
         on_device: the draft ids stay on this device as well, not waited for (unless dynamic depth must
-        read how many are confident). With tables ahead, the next tables are due (draft_due_tables; last_hits:
-        how many requests hit; tables_served: whether the drafts are the tables')."""
+        read how many are confident). With tables ahead, the next tables are drafted before this returns
+        (last_hits: how many requests hit; tables_served: whether the drafts are the tables')."""
         if self._queued is None:
             return self._empty_proposal()
         (request_ids, requests, num_drafts, ks, temperature, top_k, num_branches), self._queued = (
@@ -513,9 +507,9 @@ class EagleProposer:
                      num_drafts: list[int], ks: list[int], num_branches: list[int], on_device: bool
                      ) -> Proposal:
         """take_queued with tables ahead: every request goes on from the drafts the verifier now checks (its
-        hit branch where all hit, else the serial chain, kept), and the tables for that check, drafted from
-        the settled tokens with the target's features, are due. Where all hit, nothing here waits for the
-        serial drafting: the lookup's results came back on their own (_look_up_tables)."""
+        hit branch where all hit, else the serial chain, kept), and the tables for that check are drafted
+        from the settled tokens with the target's features. Where all hit, nothing here waits for the serial
+        drafting: the lookup's results came back on their own (_look_up_tables)."""
         B = len(requests)
         looked_up = self._looked_up.wait()
         hit_rows, settled = looked_up[:, 0].tolist(), looked_up[:, 2:].tolist()
@@ -550,19 +544,10 @@ class EagleProposer:
             proposal = self._proposal(ks, [0.0] * B, [0] * B, on_device)
         round_trace.mark("d.tables_taken", B)
         if drafting:
-            self._tables_due = ([request_ids[b] for b in drafting], verifying,
+            self.draft_branches([request_ids[b] for b in drafting], verifying,
                                 [num_branches[b] for b in drafting], [num_drafts[b] for b in drafting],
                                 [0.0] * len(drafting), [0] * len(drafting))
         return proposal
-
-    @torch.inference_mode()  # (a proposer built in inference mode takes in-place writes only there)
-    def draft_due_tables(self) -> None:
-        """Drafts the tables the last take_queued left due, if not yet drafted. A drafter answers its step
-        first and then calls this, so the verifier's next round does not wait for them; every other call
-        that changes a request (and the next queue, whose lookup reads them) calls it first."""
-        due, self._tables_due = self._tables_due, None
-        if due is not None:
-            self.draft_branches(*due)
 
     def _prefill_overflow(self, requests: list[_Request]) -> None:
         """Commit pending pairs beyond the graph's first-step width (new prompts), keeping one: cut into rows
@@ -830,7 +815,6 @@ class EagleProposer:
         likeliest get num_drafts[b] drafts each, in slots of their own, sampled as propose() samples
         (greedy, or top-K with the exact q shipped).
         """
-        self.draft_due_tables()
         B = len(request_ids)
         if not self.max_branches:
             raise ProposerError("this drafter was built without branch slots (max_branches = 0)")

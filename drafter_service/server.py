@@ -299,7 +299,6 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
                 self.metrics.rpc_bytes["sent"].inc(result.ByteSize())
                 await write(result)
                 round_trace.mark("d.written")
-                self._draft_due_tables()
         finally:
             # Freed before any await: a stream cancelled again while it waits for its reader (a connection
             # reset under load) would otherwise keep its requests held for good (the link-fault test: 8 left).
@@ -310,17 +309,6 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
             reader.cancel()
             await asyncio.gather(reader, return_exceptions=True)
             log.info("draft stream closed", extra={"stream": stream})
-
-    @torch.inference_mode()
-    def _draft_due_tables(self) -> None:
-        """Tables ahead, drafted after the step's answer, which need not wait for them. A refusal leaves the
-        requests without tables: their next queued step finds their tokens pending and drops them, and the
-        verifier re-sends them whole."""
-        try:
-            self.proposer.draft_due_tables()
-        except ProposerError as e:
-            self.metrics.bad_payloads.labels(reason="link_error").inc()
-            log.warning("tables ahead refused", extra={"reason": str(e)})
 
     async def _read_steps(self, read: Callable[[], Awaitable[object]], inbox: asyncio.Queue) -> None:
         """Moves the stream's steps into `inbox`, then None at its end or the error that ended the reads
@@ -494,7 +482,7 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
         if slot is not None:
             shared.await_number(queued.sequence, self.settle_timeout)
         round_trace.mark("d.settled")
-        proposal = self.take_drafts(owned, self.proposer.queued_counts(), tables_now=False)
+        proposal = self.take_drafts(owned, self.proposer.queued_counts())
         round_trace.mark("d.taken_queued")
         if branches is not None:
             result.queued_lookups, result.queued_hits, result.tables_served = self.lookups()
@@ -538,17 +526,14 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
         return p.last_lookups, p.last_hits, p.tables_served
 
     @torch.inference_mode()  # (with tables ahead it drafts the next tables into the proposer's buffers)
-    def take_drafts(self, owned: set[str], counts: list[int] | None, on_device: bool = False,
-                    tables_now: bool = True) -> Proposal | None:
+    def take_drafts(self, owned: set[str], counts: list[int] | None, on_device: bool = False
+                    ) -> Proposal | None:
         """The queued drafts, once `counts` (tokens each request settled) are known (on_device: their ids
         left on the device, not waited for). counts None: the verification's result was lost, so what the
         drafter holds of these requests is unknown: they are freed (the verifier re-sends them whole) and no
-        drafts come back. With tables ahead, the next tables are drafted here unless not tables_now (a
-        drafter process drafts them once it has answered)."""
+        drafts come back."""
         started, keys, self._queued = time.perf_counter(), self._queued, []
         proposal = self.proposer.take_queued([0] * len(keys) if counts is None else counts, on_device)
-        if tables_now:
-            self.proposer.draft_due_tables()
         if counts is None:
             for key in keys:
                 self._free(key, owned)

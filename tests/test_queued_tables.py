@@ -35,9 +35,9 @@ class Outcome:
             s.history[rid] = (old_ids + ids, torch.cat([old_feats, self.flat[b * T:b * T + len(ids)]]))
 
     def queue(self, s: Setup, forced_hit_rate: float | None = None):
-        """queue_after_verification with tables, then take_queued and the tables due; also returns what was
-        published (a verifier's buffer [B, max_drafts] as the drafter left it, -1 where nothing was written)
-        and whether the step's number was."""
+        """queue_after_verification with tables, then take_queued; also returns what was published (a
+        verifier's buffer [B, max_drafts] as the drafter left it, -1 where nothing was written) and whether
+        the step's number was."""
         B, dev = len(self.order), s.head.device
         buffer = torch.full((B * MAX_DRAFTS,), -1, dtype=torch.int64, device=dev)
         slot = torch.zeros(1, dtype=torch.int64, device=dev)
@@ -46,7 +46,6 @@ class Outcome:
             list(range(B * T)), [K] * B, [0.0] * B, [0] * B, num_branches=[N] * B,
             forced_hit_rate=forced_hit_rate, publish=Publish(buffer, slot, 9))
         proposal = s.proposer.take_queued(self.counts)
-        s.proposer.draft_due_tables()  # as a drafter does once it has answered
         assert slot.item() in (0, 9)
         return proposal, buffer.view(B, MAX_DRAFTS).cpu(), slot.item() == 9
 

@@ -24,7 +24,6 @@ import numpy as np
 import pytest
 import torch
 from specwire.drafter import server as drafter_server
-from specwire.drafter.proposer import ProposerError
 from specwire.verifier import drafter_link
 from specwire.verifier.drafter_link import DrafterLink
 from specwire.verifier.scheduler import Scheduler, SchedulerConfig
@@ -180,37 +179,6 @@ def test_tables_ahead_across_processes_are_asked_for_looked_up_and_counted(in_pr
     served = metrics.tables_ahead_served._value.get()
     assert hits > 0 and served > 0 and hits + misses >= served, (hits, misses, served)
     assert_handed_the_target_features(handed, outputs, config, sd, head, "cpu")
-
-
-def test_tables_ahead_a_drafter_process_refuses_after_its_answer_cost_no_request(in_process_mapping):
-    """A drafter process drafts a step's tables ahead after answering it (the verifier's next round need not
-    wait for them). Where drafting them fails (every third time here), the refusal is counted and those
-    requests keep no table: their next queued step is refused for their pending tokens and the verifier
-    sends them whole; no update reaches the drafter for a request it dropped, and every other request is
-    handed the target's features of every token."""
-    (config, sd, head, engine, proposer, handed), queued, service = queuing_drafter(4)
-    draft, calls, refused = proposer.draft_branches, iter(range(10**6)), set()
-    added, add = Counter(), proposer.add
-    proposer.add = lambda key, *rest: (added.update([key]), add(key, *rest))[1]
-
-    def faulty(request_ids, *args):
-        if next(calls) % 3 == 2:
-            refused.update(request_ids)
-            raise ProposerError("injected table fault")
-        return draft(request_ids, *args)
-
-    proposer.draft_branches = faulty
-    _, (outputs, _) = asyncio.run(generate_over_grpc(service, engine, 0, VerifierMetrics(), queue_drafts=True,
-                                                     queued_tables=4))
-    faults = (next(calls) + 1) // 3
-    assert queued and faults > 0 and refused, "tables were drafted after answers, and some refused"
-    bad = service.metrics.bad_payloads
-    assert bad.labels(reason="link_error")._value.get() == faults, "each refusal counted"
-    assert bad.labels(reason="unknown_request")._value.get() == 0
-    assert all(added[key] >= 2 for key in refused), "a refused request is sent whole again"
-    others = {i for i in range(len(outputs)) if f"0/{i}" not in refused}
-    assert others, "some requests never had their tables refused"
-    assert_handed_the_target_features(handed, outputs, config, sd, head, "cpu", only=others)
 
 
 @pytest.mark.parametrize("modes", [DRAFTING_MODES, None], ids=["all_modes", "default_modes"])
