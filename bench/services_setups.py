@@ -142,6 +142,8 @@ class Fleet:
                      "--cache-branches", "0" if hit == "off" or ahead else str(self.branches),
                      "--drafting-epoch", str(DEFAULT_EPOCH_ROUNDS) if hit == "adaptive" else "0",
                      *(["--queued-tables", str(self.branches)] if ahead else []),
+                     # forced rates measure the tables themselves: every round that may asks
+                     *(["--queued-tables-epoch", "0"] if ahead and isinstance(forced, float) else []),
                      *(["--forced-hit-rate", str(forced)] if isinstance(forced, float) else []),
                      *w.verifier_args]
         service = self._start(f"verifier-{w.name}-{setup}{role}-k{k}-L{length}-hit{hit}", argv)

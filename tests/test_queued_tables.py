@@ -172,3 +172,33 @@ def test_the_verifier_asks_for_tables_while_a_whole_batch_is_likely_to_hit():
     assert [ahead.ask([greedy] * b, True) for b in (1, 2, 3)] == [8, 8, 0]
     counts = {r: metrics.cache[r]._value.get() for r in ("hit", "miss", "unasked")}
     assert counts == {"hit": 120, "miss": 40, "unasked": 4}
+
+
+@pytest.mark.parametrize("faster", ["tables", "serial"])
+def test_the_verifier_asks_for_tables_while_they_measure_faster_than_serial_rounds(faster):
+    """With an epoch, rounds that may ask run in epochs with tables and without (DraftingMode's "tables" and
+    "serial"), and the faster measured asks, the other retried now and then. Rounds whose steps could not
+    ask (batch too large to hit, sampled rows) are not measured."""
+    from specwire.verifier.alignment import Want
+    from specwire.verifier.drafter_link import TablesAhead
+
+    greedy, sampled = Want(4, 0.0, 0), Want(4, 0.7, 8)
+    ahead = TablesAhead(8, None, epoch_rounds=4)
+    asked = []
+    for _ in range(400):
+        asked.append(ahead.ask([greedy], True) > 0)
+        # two tokens a round: in 2.2 ms with tables (1.8 ms where they pay), in 2.0 ms without
+        seconds = (1.8e-3 if faster == "tables" else 2.2e-3) if asked[-1] else 2.0e-3
+        ahead.round_ended(2, 1, seconds)
+    assert ahead.measure.mode == faster and ahead.measure.rate["tables"] and ahead.measure.rate["serial"]
+    share = sum(asked[200:]) / 200
+    assert share > 0.9 if faster == "tables" else share < 0.2, share
+    # steps that could not ask leave the measure as it is
+    before = dict(ahead.measure.rate), ahead.measure._rounds
+    for wants in ([sampled], [greedy] * 64):
+        ahead.ask(wants, True)
+        ahead.round_ended(5, 1, 1.0)
+    ahead.ask([greedy], False)
+    ahead.round_ended(5, 1, 1.0)
+    assert (dict(ahead.measure.rate), ahead.measure._rounds) == before
+    assert TablesAhead(8, None).measure is None and TablesAhead(0, None, epoch_rounds=4).measure is None

@@ -100,6 +100,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "sampler's output; a round whose every request hit gets the tables' drafts at "
                              "once, before the serial drafting (default 0: serial drafts only; "
                              "--forced-hit-rate forces the drafter's lookups instead)")
+    parser.add_argument("--queued-tables-epoch", type=int,
+                        default=env("SPECWIRE_QUEUED_TABLES_EPOCH", DEFAULT_EPOCH_ROUNDS), metavar="ROUNDS",
+                        help="with --queued-tables: rounds that may ask for tables run in epochs of this "
+                             "many rounds with and without them, and the faster measured asks (a table costs "
+                             "the drafter time each round that a short verification may not hide; default "
+                             f"{DEFAULT_EPOCH_ROUNDS}; 0: ask in every round that may)")
     parser.add_argument("--drafts-on-device", choices=("on", "off"),
                         default=env("SPECWIRE_DRAFTS_ON_DEVICE", "on"),
                         help="with drafts queued in a drafter process on this host's GPUs: the drafter's GPU "
@@ -227,6 +233,8 @@ def check_flags(args: argparse.Namespace) -> None:
         raise ValueError(f"--frontend must be inline or process, got {args.frontend!r}")
     if args.queued_tables < 0:
         raise ValueError(f"--queued-tables must be >= 0, got {args.queued_tables}")
+    if args.queued_tables_epoch < 0:
+        raise ValueError(f"--queued-tables-epoch must be >= 0, got {args.queued_tables_epoch}")
     if args.forced_hit_rate is not None and not 0 <= args.forced_hit_rate <= 1:
         raise ValueError(f"--forced-hit-rate must be in [0, 1], got {args.forced_hit_rate}")
 
@@ -270,6 +278,7 @@ async def serve(args: argparse.Namespace) -> None:
                                   admit_wait=args.admit_wait_ms / 1e3,
                                   queue_drafts={"on": True, "off": False}.get(args.queue_drafts),
                                   queued_tables=args.queued_tables,
+                                  queued_tables_epoch=args.queued_tables_epoch,
                                   launch_ahead=args.launch_ahead == "on"),
     )
 

@@ -25,6 +25,7 @@ import grpc
 import torch
 from specwire.drafter.proposer import Proposal, drafts_per_request
 from specwire.verifier.alignment import Drafts, Want, read_result
+from specwire.verifier.drafting_mode import DraftingMode
 
 from specwire import grpc_common, round_trace
 from specwire.metrics import VerifierMetrics
@@ -58,23 +59,43 @@ _EXPIRED = object()  # a step future's result at its deadline: `result` counts t
 class TablesAhead:
     """Tables ahead for queued greedy steps (--queued-tables): the branches a request and the forced hit rate
     the drafter is told, and whether a step asks for them (`asked`: the last step's branches). Their drafts
-    serve a round only where every
-    request of it hit, so a step asks only while that is likely: the running hit rate to the power of its
-    rows at least `worth` (0.5: at a hit rate of 0.8, batch 1 to 3 ask; at batch 16, 3% of rounds would be
-    served, for the drafter's time drafting tables of 16 x 8 branches)."""
+    serve a round only where every request of it hit, so a step asks only while that is likely: the running
+    hit rate to the power of its rows at least `worth` (0.5: at a hit rate of 0.8, batch 1 to 3 ask; at
+    batch 16, 3% of rounds would be served, for the drafter's time drafting tables of 16 x 8 branches).
 
-    def __init__(self, branches: int = 0, forced_hit_rate: float | None = None, worth: float = 0.5):
+    Likely is not enough: a table costs the drafter time each round, which a short verification may not
+    hide (SmolLM2 with the shipped head on two H200s, batch 1: a hit rate of 0.64, and 1.26x of target-only
+    against 1.41x without tables; bench/results/session46/). With `epoch_rounds`, rounds that may ask run in
+    epochs with and without tables, measured as DraftingMode measures its modes ("tables" and "serial"), and
+    the faster one asks; 0 asks in every such round (a benchmark of the tables themselves)."""
+
+    def __init__(self, branches: int = 0, forced_hit_rate: float | None = None, worth: float = 0.5,
+                 epoch_rounds: int = 0):
         self.branches, self.forced_hit_rate, self.worth = branches, forced_hit_rate, worth
         self.hit_rate = 1.0  # per request looked up, a moving average
         self.asked = 0
+        self.measure = DraftingMode(epoch_rounds, modes=("tables", "serial")) if branches and epoch_rounds \
+            else None
+        self._may_ask = (False, False)  # whether the step before the last, and the last, could have asked
 
     def ask(self, wants: list[Want], steady: bool) -> int:
         """The branches a request a queued step of these wants asks for (0: none); steady: the scheduler's
         word that the round may ask at all."""
         likely = self.hit_rate ** len(wants) >= self.worth
         greedy = not any(w.temperature > 0 for w in wants)
-        self.asked = self.branches if steady and greedy and likely else 0
+        may = bool(self.branches) and steady and greedy and likely
+        self._may_ask = (self._may_ask[1], may)
+        chosen = self.measure is None or self.measure.mode == "tables"
+        self.asked = self.branches if may and chosen else 0
         return self.asked
+
+    def round_ended(self, tokens: int, requests: int, seconds: float) -> None:
+        """A queued round settled `tokens` for `requests` requests in `seconds` (its own time, as
+        DraftingMode.record's). With a measure it counts for the current mode where both the step whose
+        drafts it verified and the step it queued could have asked (an epoch's first round, not counted,
+        covers the step between a change of mode and the first round it shapes)."""
+        if self.measure is not None and all(self._may_ask):
+            self.measure.record(tokens, requests, seconds)
 
     def count(self, metrics: VerifierMetrics, rows: int, lookups: int, hits: int, served: bool) -> None:
         """A queued step of `rows` requests with tables ahead: `lookups` of them had a table to look in (on

@@ -60,7 +60,7 @@ from specwire.verifier.drafter_link import (
     QueuedDrafts,
     TablesAhead,
 )
-from specwire.verifier.drafting_mode import MODES, QUEUED_MODES, DraftingMode
+from specwire.verifier.drafting_mode import DEFAULT_EPOCH_ROUNDS, MODES, QUEUED_MODES, DraftingMode
 from specwire.verifier.feature_store import FeatureStore, feature_table
 from specwire.verifier.request_error import RequestError, in_flight_already
 
@@ -240,8 +240,10 @@ class SchedulerConfig:
     # looked up on its GPU from the sampler's output, so a round whose every request hit has its drafts
     # before the serial drafting. With forced_hit_rate, the drafter forces its lookups' hits (synthetic).
     queued_tables: int = 0
-    # Tables ahead are asked for while hit_rate ** rows is at least this (TablesAhead.worth).
+    # Tables ahead are asked for while hit_rate ** rows is at least this (TablesAhead.worth), and, with an
+    # epoch of this many rounds, only while measured faster than serial drafting alone (0: always).
     queued_tables_worth: float = 0.5
+    queued_tables_epoch: int = DEFAULT_EPOCH_ROUNDS
     # Drafts read on the device (a drafter process on this host, greedy rows): queue each round's forward
     # right behind the last one's launch, its first tokens and positions taken from that round's sampler on
     # the device, so that the GPU never waits for the host between rounds (Scheduler._launch_ahead).
@@ -635,6 +637,9 @@ class Scheduler:
         finally:  # whatever happened, the drafter takes no other step before the drafts queued on it
             queued = self._take_queued_drafts(live, step)
         round_trace.mark("v.settled")
+        if step.queued and self.link is not None:  # (tables ahead measure their rounds against serial ones)
+            self.link.tables_ahead.round_ended(sum(len(t) for t in step.tokens), len(live),
+                                               time.perf_counter() - round_started)
         if arriving is not None:  # the answer that came with the drafts read on the device
             await self._queued_arrived(arriving, drafts=False)
             round_trace.mark("v.arrived")
@@ -1409,7 +1414,7 @@ class Scheduler:
         self._queued_drafts = None
         branches = min(self.config.queued_tables, self.link.info.max_branches)
         self.link.tables_ahead = TablesAhead(branches, self.config.forced_hit_rate if branches else None,
-                                             self.config.queued_tables_worth)
+                                             self.config.queued_tables_worth, self.config.queued_tables_epoch)
         if self._drafting is not None and (modes := self._drafting_modes()) != self._drafting.modes:
             self._drafting = DraftingMode(self.config.drafting_epoch, modes=modes)
         self._wake.set()

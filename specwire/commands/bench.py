@@ -249,6 +249,7 @@ async def speculate(
         queue_drafts=True if queued_tables else None,
         queued_tables=queued_tables,
         queued_tables_worth=0.0,  # a measurement: every steady round asks, whatever the hit rate
+        queued_tables_epoch=0,  # (and whatever serial rounds would measure)
     )
     scheduler = Scheduler(engine, tokenizer, metrics, config, link)
     scheduler.start()
