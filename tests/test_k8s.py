@@ -214,3 +214,6 @@ def test_dashboard_reads_exported_metrics_and_recorded_series():
     for kind in ("acceptance_rate", "mean_acceptance_length", "acceptance_per_position"):
         assert f"specwire:spec_decode_{kind}:rate5m" in exprs
     assert "specwire:generation_tokens:rate5m" in exprs
+    # the speculation cache's hit rate and the rounds tables ahead served, beside the acceptance
+    assert any("specwire_spec_cache_lookups_total{result=\"hit\"}" in e for e in exprs)
+    assert any("specwire_queued_tables_served_total" in e for e in exprs)
