@@ -34,7 +34,7 @@ TWO_GPUS = (*TWO_PROCESSES, "colocated_two_gpus")  # the setups whose drafter ru
 # (queued serial drafting with tables ahead looked up on the drafter's GPU), "ahead:R" (the same, hits forced
 # at rate R) or None
 HitRate = float | str | None
-CACHE_BRANCHES = 8  # default table entries per request of the setups with the speculation or tables ahead
+CACHE_BRANCHES = 8  # default entries per request of the speculation cache's and tables ahead's tables
 
 
 class SetupUnavailable(RuntimeError):
