@@ -6,6 +6,7 @@
 # bench/round_timeline.py's tables. Extra arguments go to bench_services.py and override these. With PYSPY set
 # (carry .devcarry/pyspy), py-spy samples every process of the run at 250 Hz into pyspy.txt (collapsed stacks).
 # $OUT gets timeline_<workload>.txt and trace_rounds.tgz (the runs' JSON, logs, raw marks and timelines).
+# DRAFTER_DEVICE / VERIFIER_DEVICE (default cuda:0 / cuda:1) put both processes on one GPU where only one is lent.
 set -uo pipefail
 OUT=${OUT:-/tmp/specwire-out}
 M=${MODEL_DIR:-/root/m}
@@ -21,7 +22,8 @@ fi
 for w in ${WORKLOADS:-smollm2 synthetic}; do
     mkdir -p "$OUT/$w"
     SPECWIRE_TRACE_DIR="$OUT/$w/trace" ${profile[@]:+"${profile[@]}" "$OUT/$w/pyspy.txt" --} python3 bench/bench_services.py --model "$M/smol.gguf" \
-        --drafter-device cuda:0 --verifier-device cuda:1 --out-dir "$OUT/$w" --tag trace --workloads "$w" \
+        --drafter-device "${DRAFTER_DEVICE:-cuda:0}" --verifier-device "${VERIFIER_DEVICE:-cuda:1}" \
+        --out-dir "$OUT/$w" --tag trace --workloads "$w" \
         --setups target_only,${SETUPS:-two_gpus_socket} --smollm2-cache on,off --lengths 3 --hit-rates 0.8,off \
         --batch-sizes 1,16 --temperatures 0 --sweep-ks '' --repeats 4 "$@" > "$OUT/$w/bench.log" 2>&1
     echo "== $w (exit $?)"
