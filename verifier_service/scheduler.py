@@ -637,7 +637,8 @@ class Scheduler:
         finally:  # whatever happened, the drafter takes no other step before the drafts queued on it
             queued = self._take_queued_drafts(live, step)
         round_trace.mark("v.settled")
-        if step.queued and self.link is not None:  # (tables ahead measure their rounds against serial ones)
+        if step.queued and self.link is not None and self.link.tables_ahead.measure is not None:
+            # (tables ahead measure their rounds against serial ones; no count where nothing measures)
             self.link.tables_ahead.round_ended(sum(len(t) for t in step.tokens), len(live),
                                                time.perf_counter() - round_started)
         if arriving is not None:  # the answer that came with the drafts read on the device
