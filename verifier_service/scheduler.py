@@ -531,17 +531,20 @@ class Scheduler:
         return await asyncio.get_running_loop().run_in_executor(self._worker, fn, *args)
 
     async def _prefill(self, admitted: list[Request]) -> None:
-        """Prefills requests admitted into self.running, streams their first tokens and tells the drafter of
-        them, so that their first verification has drafts."""
+        """Prefills requests admitted into self.running and streams their first tokens; where nothing else
+        runs, the drafter is told of them at once, so that their first verification has drafts."""
         step = await self._compute(self._prefill_on_worker, admitted)
         for i, (r, tokens) in enumerate(zip(admitted, step.tokens, strict=True)):
             self._prefilled(r, step, i)
             if r.live:  # as in _verify: an abort that came in during the step wins
                 self._emit(r, tokens)
-        if self.speculating and not self.caching and self._in_flight is None:
+        alone = len(self.running) == len(admitted)
+        if alone and self.speculating and not self.caching and self._in_flight is None:
             # Told with the step after their first round instead, they were verified once without drafts
             # while the drafter idled (8B shape, batch 1: a 4.7 ms round for one token, then 2.6 ms waiting
-            # for the drafter's prefill and drafts; bench/results/session47/). A speculation cache's first
+            # for the drafter's prefill and drafts; bench/results/session47/). Only where nothing else runs:
+            # a running batch has a step out or drafts queued on the drafter, which this one would have to
+            # wait behind or beside, and the rounds would then depend on which. A speculation cache's first
             # round drafts just in time, as any round of its does.
             self._in_flight = self._send_step([r for r in admitted if r.live], "serial")
 
