@@ -6,6 +6,8 @@ next one's. Every mark of every process in that window is placed at its offset f
 batch size, the table lists each event at the median offset of its first mark in a round, the median gap
 from the event listed before it, and the share of rounds that have it.
 
+Before the tables, each verifier's time by batch size and its spans from one prefill step to the next.
+
     python bench/round_timeline.py TRACE_DIR [--skip 50] [--json out.json]
 """
 
@@ -58,6 +60,38 @@ def table(batch_rounds: list[dict[str, float]]) -> list[dict[str, float]]:
     return rows
 
 
+def time_by_batch(verifier: list[tuple[int, str, int]]) -> list[dict[str, float]]:
+    """Per batch size, the verifier's whole run: its rounds, their time and share of the run, the median
+    round. A static batch's rows end at different rounds, so its tail runs at smaller batch sizes."""
+    starts = [(ns, value) for ns, event, value in verifier if event == "v.verify"]
+    spans: dict[int, list[float]] = collections.defaultdict(list)
+    for (start, batch), (end, _) in zip(starts[:-1], starts[1:], strict=False):
+        spans[batch].append((end - start) / 1e6)
+    run = (starts[-1][0] - starts[0][0]) / 1e6 if len(starts) > 1 else 0.0
+    return [{"batch": batch, "rounds": len(ms), "ms": sum(ms), "share": sum(ms) / run if run else 0.0,
+             "median_ms": statistics.median(ms)} for batch, ms in sorted(spans.items(), reverse=True)]
+
+
+def prefill_spans(verifier: list[tuple[int, str, int]]) -> list[dict[str, float]]:
+    """From each prefill step to the next: its length, the prefill's, the wait for the first verification
+    after it, how many rounds ran, and the time from the last verification's end to the next prefill (the
+    client's turn, at batch 1: the stream's end, its next request, the admission)."""
+    out = []
+    prefills = [i for i, (_, event, _) in enumerate(verifier) if event == "v.prefill"]
+    for a, b in zip(prefills[:-1], prefills[1:], strict=False):
+        span = verifier[a:b]
+        begun, next_prefill = span[0][0], verifier[b][0]
+        prefilled = next((ns for ns, event, _ in span if event == "v.prefilled"), None)
+        verifies = [ns for ns, event, _ in span if event == "v.verify"]
+        ends = [ns for ns, event, _ in span if event == "v.verify_end"]
+        if prefilled is None or not verifies or not ends:
+            continue
+        out.append({"ms": (next_prefill - begun) / 1e6, "prefill_ms": (prefilled - begun) / 1e6,
+                    "to_first_verify_ms": (verifies[0] - prefilled) / 1e6, "rounds": len(verifies),
+                    "after_last_ms": (next_prefill - ends[-1]) / 1e6})
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("trace_dir", type=Path)
@@ -69,6 +103,16 @@ def main() -> None:
     for name, verifier in marks.items():
         if not any(event == "v.verify" for _, event, _ in verifier):
             continue
+        by_batch, spans = time_by_batch(verifier), prefill_spans(verifier)
+        report[f"{name}/time_by_batch"], report[f"{name}/prefill_spans"] = by_batch, spans
+        print(f"== {name}: time by batch size (whole run)")
+        for row in by_batch:
+            print(f"  batch {row['batch']:3d}: {row['rounds']:5d} rounds, {row['ms']:9.1f} ms"
+                  f" ({row['share']:6.1%}), median {row['median_ms']:.3f} ms")
+        if spans:
+            medians = {key: statistics.median(s[key] for s in spans) for key in spans[0]}
+            print(f"== {name}: prefill to prefill, medians of {len(spans)}: " +
+                  ", ".join(f"{key} {value:.2f}" for key, value in medians.items()))
         window = (verifier[0][0], verifier[-1][0])  # other processes' marks while this verifier ran
         others = [[m for m in other if window[0] <= m[0] <= window[1]]
                   for other_name, other in marks.items() if other_name != name]
