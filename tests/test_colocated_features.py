@@ -34,7 +34,8 @@ K, SLOTS, REQUESTS, MAX_TOKENS = 3, 3, 7, 30
 async def generate(engine: TargetEngine, link: LocalDrafterLink | DrafterLink, cache_branches: int,
                    queue_drafts: bool, max_tokens: int = MAX_TOKENS, drafting_epoch: int = 0,
                    metrics: VerifierMetrics | None = None, drafting_modes: tuple[str, ...] | None = None,
-                   **config) -> tuple[list[list[int]], float]:
+                   forced_acceptance: tuple[float, ...] = (0.9, 0.8, 0.7), **config
+                   ) -> tuple[list[list[int]], float]:
     """Each request's tokens, and how many prompts a verification carried (the scheduler's metrics:
     `metrics`, or its own); `config`: more SchedulerConfig fields."""
     # The synthetic tokenizer of the target's vocabulary: outputs are only compared as ids, and GPU runs need
@@ -43,7 +44,7 @@ async def generate(engine: TargetEngine, link: LocalDrafterLink | DrafterLink, c
     scheduler = Scheduler(engine, synthetic_tokenizer(engine.config), metrics,
                           SchedulerConfig(num_speculative_tokens=K, cache_branches=cache_branches,
                                           table_wait=5.0, just_in_time_wait=5.0,
-                                          forced_acceptance=(0.9, 0.8, 0.7), queue_drafts=queue_drafts,
+                                          forced_acceptance=forced_acceptance, queue_drafts=queue_drafts,
                                           drafting_epoch=drafting_epoch, drafting_modes=drafting_modes,
                                           **config),
                           link)
