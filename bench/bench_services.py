@@ -71,6 +71,7 @@ from services_metrics import (
     cache_hit_rate,
     prefill_split,
     round_split,
+    rows_per_verification,
     scrape,
     wire_bytes_per_step,
 )
@@ -337,6 +338,8 @@ def measure(client: Client, port: int, metric_ports: dict[str, int | None], gpus
                                  "verifier", "specwire_verifications_launched_ahead_total"),
                              # rows that sat a round out for their first drafts (_beside_device_drafts)
                              "rows_sat_out": delta.get("verifier", "specwire_queued_drafts_sat_out_total"),
+                             # the batch a verification ran at: below `batch` in a static batch's tail
+                             "rows_per_verification": rows_per_verification(delta),
                              "_chunks": [{"sent": t.sent_at - start, "arrivals": t.arrivals,
                                           "tokens": t.chunk_tokens} for t in timings],
                              "_step_seconds": delta.get("verifier", "specwire_verify_step_seconds_sum"),

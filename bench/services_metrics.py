@@ -87,6 +87,14 @@ def round_split(delta: Delta, wall: float) -> dict[str, float | None]:
     return out
 
 
+def rows_per_verification(delta: Delta) -> float | None:
+    """Requests a verification ran on average (specwire_verified_rows_total over the verifications; None
+    where the verifier does not count them)."""
+    rows = delta.get("verifier", "specwire_verified_rows_total")
+    steps = delta.get("verifier", "specwire_verify_step_seconds_count")
+    return rows / steps if rows is not None and steps else None
+
+
 def prefill_split(delta: Delta, wall: float) -> dict[str, float | None]:
     """The verifier's prefill steps: how many, ms each (engine thread) and their share of the wall time; and
     the prompts verifications carried instead (`carried`)."""

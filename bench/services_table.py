@@ -40,7 +40,7 @@ def row(r: dict) -> list[str]:
         fmt(r["tokens_per_s"], ",.0f"), fmt(r.get("speedup"), ".2f", "x"),
         f"{fmt(r.get('ideal_speedup'), '.2f', 'x')} / {fmt(r.get('ideal_speedup_gpu'), '.2f', 'x')}",
         fmt(r.get("mean_acceptance_length"), ".2f"),
-        fmt(tokens_per_verification(r), ".2f"),
+        f"{fmt(tokens_per_verification(r), '.2f')} / {fmt(r.get('rows_per_verification'), '.1f')}",
         fmt((r.get("ttft_ms") or {}).get("p50"), ".1f"),
         f"{fmt(itl.get('p50'), '.2f')} / {fmt(itl.get('p99'), '.2f')}",
         " / ".join(fmt(split.get(k), ".2f") for k in ("verify", "draft", "transport", "host")),
@@ -63,7 +63,7 @@ def tokens_per_verification(r: dict) -> float | None:
 
 
 HEADER = ["setup", "k", "L", "hit", "batch", "load", "tok/s", "speedup", "ideal: thread / gpu", "tau",
-          "tok/verif.",
+          "tok/verif. / rows",
           "TTFT p50 ms", "ITL p50 / p99 ms", "step: verify / draft / transport / host ms",
           "verifier GPU: verify / idle for launch / idle for drafts ms", "prefill steps x ms", "GPU busy",
           "bytes/step sent / recv"]

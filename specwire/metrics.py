@@ -145,6 +145,10 @@ class VerifierMetrics(_ServiceMetrics):
             "prompts_carried",
             "Prompts prefilled inside a verification's forward (--carry-rows) rather than by a prefill step.")
         self.generation_tokens = c("generation_tokens", "Tokens generated.")
+        self.verified_rows = c(
+            "verified_rows",
+            "Requests verified, summed over verifications (carried prompts not included): over "
+            "verify_step_seconds' count, the batch a verification ran at.")
         self.requests_finished = c(
             "requests_finished", "Finished requests by finish reason.", ["finish_reason"]
         )

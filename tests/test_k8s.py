@@ -217,3 +217,6 @@ def test_dashboard_reads_exported_metrics_and_recorded_series():
     # the speculation cache's hit rate and the rounds tables ahead served, beside the acceptance
     assert any("specwire_spec_cache_lookups_total{result=\"hit\"}" in e for e in exprs)
     assert any("specwire_queued_tables_served_total" in e for e in exprs)
+    # the batch verifications run at, beside the requests running (a static batch's tail, rows sitting out)
+    assert any("specwire_verified_rows_total" in e and "specwire_verify_step_seconds_count" in e
+               for e in exprs)

@@ -30,6 +30,7 @@ from specwire.verifier.scheduler import Scheduler, SchedulerConfig
 from test_cache_statistics import assert_follows_the_target, bigram_drafter_and_target, sample_many
 from test_colocated_features import (
     MAX_TOKENS,
+    REQUESTS,
     SLOTS,
     K,
     assert_handed_the_target_features,
@@ -183,9 +184,12 @@ def test_a_last_round_does_not_wait_for_drafts_it_has_no_room_for(in_process_map
     monkeypatch.setattr(drafter_link.QueuedDrafts, "arrive", recording_arrive)
     monkeypatch.setattr(Scheduler, "_verify", recording_verify)
     (config, sd, head, engine, _, handed), queued, service = queuing_drafter(0)
-    _, (outputs, _) = asyncio.run(generate_over_grpc(service, engine, 0, VerifierMetrics(), queue_drafts=True,
+    metrics = VerifierMetrics()
+    _, (outputs, _) = asyncio.run(generate_over_grpc(service, engine, 0, metrics, queue_drafts=True,
                                                      forced_acceptance=(0.0, 0.0, 0.0)))
     assert queued, "no drafts were queued behind a sampler"
+    # one token a round: every request's tokens after its first came from as many verifications of it
+    assert metrics.verified_rows._value.get() == REQUESTS * (MAX_TOKENS - 1)
     deferred = [i for i, event in enumerate(events) if event == ("arrive", False)]
     assert deferred, "no answer was left until after a last round"
     assert all(events[i - 1] == ("verify", 0) for i in deferred), events

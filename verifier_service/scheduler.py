@@ -1344,6 +1344,7 @@ class Scheduler:
                 features.append(rows[first:first + len(r.prompt)])
                 first += len(r.prompt)
         self.metrics.verify_step_time.observe(time.perf_counter() - launch.started)
+        self.metrics.verified_rows.inc(len(launch.num_drafts))
         for times in self._clock.take():  # this verification's among them: its tokens came after it
             self.metrics.verify_gpu_time.observe(times.verify_seconds)
             for cause, seconds in (("launch", times.launch_seconds), ("drafts", times.drafts_seconds)):
