@@ -18,6 +18,7 @@ from services_metrics import (  # noqa: E402
     cache_hit_rate,
     prefill_split,
     round_split,
+    rows_per_verification,
     wire_bytes_per_step,
 )
 from services_table import modes_table  # noqa: E402
@@ -88,6 +89,10 @@ def test_round_split_cache_and_bytes_from_two_scrapes():
                           "specwire_prompts_carried_total": 3.0}
     got = prefill_split(Delta(before, after), wall=0.5)
     assert got == pytest.approx({"steps": 4, "ms": 5.0, "share": 0.04, "carried": 3})
+    # 100 verifications of 1,150 rows: a batch of 16 whose tail ran at fewer rows
+    assert rows_per_verification(delta) is None  # (a verifier before the counter)
+    after["verifier"]["specwire_verified_rows_total"] = 1150.0
+    assert rows_per_verification(Delta(before, after)) == pytest.approx(11.5)
 
 
 def test_the_drafting_modes_table_lists_the_points_that_timed_their_rounds():
