@@ -65,7 +65,7 @@ def time_by_batch(verifier: list[tuple[int, str, int]]) -> list[dict[str, float]
     round. A static batch's rows end at different rounds, so its tail runs at smaller batch sizes."""
     starts = [(ns, value) for ns, event, value in verifier if event == "v.verify"]
     spans: dict[int, list[float]] = collections.defaultdict(list)
-    for (start, batch), (end, _) in zip(starts[:-1], starts[1:], strict=False):
+    for (start, batch), (end, _) in zip(starts[:-1], starts[1:], strict=True):
         spans[batch].append((end - start) / 1e6)
     run = (starts[-1][0] - starts[0][0]) / 1e6 if len(starts) > 1 else 0.0
     return [{"batch": batch, "rounds": len(ms), "ms": sum(ms), "share": sum(ms) / run if run else 0.0,
@@ -78,7 +78,7 @@ def prefill_spans(verifier: list[tuple[int, str, int]]) -> list[dict[str, float]
     client's turn, at batch 1: the stream's end, its next request, the admission)."""
     out = []
     prefills = [i for i, (_, event, _) in enumerate(verifier) if event == "v.prefill"]
-    for a, b in zip(prefills[:-1], prefills[1:], strict=False):
+    for a, b in zip(prefills[:-1], prefills[1:], strict=True):
         span = verifier[a:b]
         begun, next_prefill = span[0][0], verifier[b][0]
         prefilled = next((ns for ns, event, _ in span if event == "v.prefilled"), None)
