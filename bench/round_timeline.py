@@ -63,11 +63,8 @@ def table(batch_rounds: list[dict[str, float]]) -> list[dict[str, float]]:
 def time_by_batch(verifier: list[tuple[int, str, int]]) -> list[dict[str, float]]:
     """Per batch size, the verifier's whole run: its rounds, their time and share of the run, the median
     round. A static batch's rows end at different rounds, so its tail runs at smaller batch sizes."""
-    starts = [(ns, value) for ns, event, value in verifier if event == "v.verify"]
-    spans: dict[int, list[float]] = collections.defaultdict(list)
-    for (start, batch), (end, _) in zip(starts[:-1], starts[1:], strict=True):
-        spans[batch].append((end - start) / 1e6)
-    run = (starts[-1][0] - starts[0][0]) / 1e6 if len(starts) > 1 else 0.0
+    spans = {batch: [r["round"] for r in rs] for batch, rs in rounds(verifier, [], skip=0).items()}
+    run = sum(sum(ms) for ms in spans.values())  # from the first round's start to the last one's
     return [{"batch": batch, "rounds": len(ms), "ms": sum(ms), "share": sum(ms) / run if run else 0.0,
              "median_ms": statistics.median(ms)} for batch, ms in sorted(spans.items(), reverse=True)]
 
