@@ -674,14 +674,27 @@ def test_rounds_launched_before_the_tokens_are_back_keep_greedy_output(in_proces
 
 
 @pytest.mark.parametrize("carry_rows", [0, 32], ids=["prefill steps", "prompts carried"])
+@pytest.mark.parametrize("slow_prompts", [False, True], ids=["", "slow drafter prefill"])
 def test_requests_joining_a_batch_that_reads_its_drafts_on_the_device_keep_greedy_output(
-        in_process_mapping, monkeypatch, carry_rows):
+        in_process_mapping, monkeypatch, carry_rows, slow_prompts):
     """Requests arrive while others' drafts are read on the device (_beside_device_drafts): the others keep
     reading theirs there, a new request verifies without drafts (after a prefill step) or sits a round out
     until its own step's answer is in, then joins with that answer's drafts beside the garbage read on the
-    device. Greedy output must be target-only's, arrivals must have sat out, and fewer rounds must have
-    waited for the drafter's answer instead of reading on the device than the arrivals used to cost."""
+    device. Greedy output must be target-only's, arrivals must have sat out, and only the first request's
+    first rounds may wait for the drafter's answer instead of reading on the device: also where the drafter
+    takes longer than a round over a new prompt (slow_prompts), when the round after the one sat out waits
+    for that step's answer and not for the drafts queued behind it (it waited for both, one more round an
+    arrival, before session 48)."""
     _, run = _device_read_drafter(monkeypatch, carry_rows)
+    if slow_prompts:
+        run_step = drafter_server.DrafterService.run_step
+
+        def slow_on_new_prompts(self, stream, owned, step, *args, **kwargs):
+            if any(u.HasField("new_request") for u in step.updates):
+                time.sleep(0.1)  # the proposer's thread: every step behind this one waits too, as on a GPU
+            return run_step(self, stream, owned, step, *args, **kwargs)
+
+        monkeypatch.setattr(drafter_server.DrafterService, "run_step", slow_on_new_prompts)
     prompts = _chat_prompts((6, 19, 11, 8))
     submits = [(prompts[0], LONG, 0), (prompts[1], 60, 10), (prompts[2], 40, 25), (prompts[3], 30, 40)]
     metrics = VerifierMetrics()
@@ -691,11 +704,10 @@ def test_requests_joining_a_batch_that_reads_its_drafts_on_the_device_keep_greed
     sample = metrics.registry.get_sample_value
     assert (sample("specwire_prompts_carried_total") > 0) == (carry_rows > 0)
     assert sample("specwire_queued_drafts_sat_out_total") >= 1, "no arrival sat a round out"
-    # Rounds that waited for the drafter's answer: the first request's first ones (nothing queued yet: 3
-    # here), and an arrival's whose step was not answered within the round it sat out (rare; 1 in one CI
-    # run). Before _beside_device_drafts each arrival made one more, two after a prefill step: 6 and 9 here.
+    # Rounds that waited for the drafter's answer: the first request's first ones (nothing queued yet: 2
+    # here). Before _beside_device_drafts each arrival made one more, two after a prefill step.
     verifications = sample("specwire_verify_step_seconds_count")
-    assert verifications - sample("specwire_queued_drafts_read_on_device_total") <= 5
+    assert verifications - sample("specwire_queued_drafts_read_on_device_total") <= 2
 
 
 def _greedy_outputs(port: int, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
