@@ -6,7 +6,8 @@ next one's. Every mark of every process in that window is placed at its offset f
 batch size, the table lists each event at the median offset of its first mark in a round, the median gap
 from the event listed before it, and the share of rounds that have it.
 
-Before the tables, each verifier's time by batch size and its spans from one prefill step to the next.
+Before the tables, each verifier's time by batch size, its spans from one prefill step to the next, and its
+waits before a verification (from a round's start, "v.round", to its launch: drafts awaited, prefill steps).
 
     python bench/round_timeline.py TRACE_DIR [--skip 50] [--json out.json]
 """
@@ -89,11 +90,29 @@ def prefill_spans(verifier: list[tuple[int, str, int]]) -> list[dict[str, float]
     return out
 
 
+def waits_before_verify(verifier: list[tuple[int, str, int]], over_ms: float) -> dict[str, float]:
+    """From each round's start ("v.round") to the launch of its verification ("v.verify"): how many, how
+    many took over `over_ms` and their sum, against the run from the first verification to the last (a
+    round that waits for a drafter's answer, or runs a prefill step first, shows here)."""
+    waits, began = [], None
+    for ns, event, _ in verifier:
+        if event == "v.round":
+            began = ns
+        elif event == "v.verify" and began is not None:
+            waits.append((ns - began) / 1e6)
+            began = None
+    verifies = [ns for ns, event, _ in verifier if event == "v.verify"]
+    long = [ms for ms in waits if ms > over_ms]
+    return {"rounds": len(waits), "over": len(long), "over_ms": sum(long), "all_ms": sum(waits),
+            "run_ms": (verifies[-1] - verifies[0]) / 1e6 if verifies else 0.0}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("trace_dir", type=Path)
     p.add_argument("--skip", type=int, default=50, help="rounds of each verifier run left out (warm-up)")
     p.add_argument("--json", type=Path, help="also write the tables here")
+    p.add_argument("--wait-ms", type=float, default=0.8, help="a wait before a verification counted as long")
     args = p.parse_args()
     marks = read_marks(args.trace_dir)
     report = {}
@@ -101,7 +120,9 @@ def main() -> None:
         if not any(event == "v.verify" for _, event, _ in verifier):
             continue
         by_batch, spans = time_by_batch(verifier), prefill_spans(verifier)
+        waits = waits_before_verify(verifier, args.wait_ms)
         report[f"{name}/time_by_batch"], report[f"{name}/prefill_spans"] = by_batch, spans
+        report[f"{name}/waits_before_verify"] = waits
         print(f"== {name}: time by batch size (whole run)")
         for row in by_batch:
             print(f"  batch {row['batch']:3d}: {row['rounds']:5d} rounds, {row['ms']:9.1f} ms"
@@ -110,6 +131,9 @@ def main() -> None:
             medians = {key: statistics.median(s[key] for s in spans) for key in spans[0]}
             print(f"== {name}: prefill to prefill, medians of {len(spans)}: " +
                   ", ".join(f"{key} {value:.2f}" for key, value in medians.items()))
+        print(f"== {name}: before a verification, {waits['rounds']} waits of {waits['all_ms']:.1f} ms,"
+              f" {waits['over']} over {args.wait_ms} ms summing {waits['over_ms']:.1f} ms, in a run of"
+              f" {waits['run_ms']:.1f} ms")
         window = (verifier[0][0], verifier[-1][0])  # other processes' marks while this verifier ran
         others = [[m for m in other if window[0] <= m[0] <= window[1]]
                   for other_name, other in marks.items() if other_name != name]

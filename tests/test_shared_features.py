@@ -674,27 +674,30 @@ def test_rounds_launched_before_the_tokens_are_back_keep_greedy_output(in_proces
 
 
 @pytest.mark.parametrize("carry_rows", [0, 32], ids=["prefill steps", "prompts carried"])
-@pytest.mark.parametrize("slow_prompts", [False, True], ids=["", "slow drafter prefill"])
+@pytest.mark.parametrize("late_answers", [False, True], ids=["", "late answers to new prompts"])
 def test_requests_joining_a_batch_that_reads_its_drafts_on_the_device_keep_greedy_output(
-        in_process_mapping, monkeypatch, carry_rows, slow_prompts):
+        in_process_mapping, monkeypatch, carry_rows, late_answers):
     """Requests arrive while others' drafts are read on the device (_beside_device_drafts): the others keep
     reading theirs there, a new request verifies without drafts (after a prefill step) or sits a round out
     until its own step's answer is in, then joins with that answer's drafts beside the garbage read on the
     device. Greedy output must be target-only's, arrivals must have sat out, and only the first request's
-    first rounds may wait for the drafter's answer instead of reading on the device: also where the drafter
-    takes longer than a round over a new prompt (slow_prompts), when the round after the one sat out waits
-    for that step's answer and not for the drafts queued behind it (it waited for both, one more round an
-    arrival, before session 48)."""
+    first rounds may wait for the drafter's answers instead of reading on the device: also where the answer
+    to a new prompt's step comes later than the round it sat out (late_answers), when the next round waits
+    for that answer alone (before session 48 it waited for every answer and read nothing on the device)."""
     _, run = _device_read_drafter(monkeypatch, carry_rows)
-    if slow_prompts:
-        run_step = drafter_server.DrafterService.run_step
+    if late_answers:
+        send = DrafterLink.send
 
-        def slow_on_new_prompts(self, stream, owned, step, *args, **kwargs):
-            if any(u.HasField("new_request") for u in step.updates):
-                time.sleep(0.1)  # the proposer's thread: every step behind this one waits too, as on a GPU
-            return run_step(self, stream, owned, step, *args, **kwargs)
+        def late_for_new_prompts(self, step, features):
+            future = send(self, step, features)
+            if future is None or not any(u.HasField("new_request") for u in step.updates):
+                return future
+            late = asyncio.get_running_loop().create_future()
+            future.add_done_callback(lambda answered: asyncio.get_running_loop().call_later(
+                0.3, lambda: late.done() or late.set_result(answered.result())))
+            return late
 
-        monkeypatch.setattr(drafter_server.DrafterService, "run_step", slow_on_new_prompts)
+        monkeypatch.setattr(DrafterLink, "send", late_for_new_prompts)
     prompts = _chat_prompts((6, 19, 11, 8))
     submits = [(prompts[0], LONG, 0), (prompts[1], 60, 10), (prompts[2], 40, 25), (prompts[3], 30, 40)]
     metrics = VerifierMetrics()
