@@ -650,9 +650,9 @@ def test_rounds_launched_before_the_tokens_are_back_keep_greedy_output(in_proces
     """Scheduler._launch_ahead: in the steady state of a batch reading its drafts on the device, each round's
     forward is launched before the last round's tokens are back, its first tokens and positions taken from
     that round's sampler output. Greedy output must be target-only's, with requests that end at different
-    rounds (a row near its length limit is launched as usual) and one aborted mid-run (its row is verified
-    once more, for nothing, its output a prefix of target-only's); most rounds must have been launched
-    ahead, and none must be with --launch-ahead off."""
+    rounds (a row near its length limit verifies fewer drafts) and one aborted mid-run (its row is verified
+    once more, for nothing, its output a prefix of target-only's); every round but those next to a
+    request's start and end must have been launched ahead, and none with --launch-ahead off."""
     _, run = _device_read_drafter(monkeypatch)
     prompts = _chat_prompts((6, 19, 11))
     n = 60
@@ -665,7 +665,10 @@ def test_rounds_launched_before_the_tokens_are_back_keep_greedy_output(in_proces
     assert 25 <= len(aborted) < n and outputs[2] == reference[2][:len(outputs[2])]
     sample = metrics.registry.get_sample_value
     ahead = sample("specwire_verifications_launched_ahead_total")
-    assert ahead >= 0.5 * sample("specwire_verify_step_seconds_count"), "few rounds launched ahead"
+    # Not launched ahead: the first round, the one the abort lands in, request 1's last (no room for drafts
+    # to queue) and the one after it, request 0's last two (none to read): 6 of 59. Before session 48, when
+    # a row within k + 2 tokens of its end kept the whole batch from it: 15.
+    assert sample("specwire_verify_step_seconds_count") - ahead <= 7, "rounds not launched ahead"
 
     metrics, short = VerifierMetrics(), [(p, 20, 0) for p, _, _ in submits[:2]]
     outputs = asyncio.run(run(True, metrics, short, launch_ahead=False))
