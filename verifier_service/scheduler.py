@@ -1250,7 +1250,7 @@ class Scheduler:
         taken = following = None
         counts = self._ahead_drafts(live, batch.num_drafts, queue, wants, carry) if queue else None
         if counts is not None:
-            taken, following = self._launch_ahead(live, queue, wants, counts, sampled.packed, starts)
+            taken, following = self._launch_ahead(live, wants, counts, sampled.packed, starts)
         return _Launch(started, batch.num_drafts, sampled, queue, wants, carry,
                        self.link is not None and store is None, taken, following)
 
@@ -1278,21 +1278,19 @@ class Scheduler:
         """How many drafts each row of the next round verifies if that round is launched now, before this
         one's tokens are back; None: it is not. That is the steady state of a batch whose every row reads its
         queued drafts on the device, and the round must be the one the host would launch once this one is
-        settled: its live rows (nothing waits to join, no row sits out, no step is out; a row that ended
-        with the last round, which launched this one ahead with it, is left out), greedy. Each row verifies
-        the drafts it asked for, cut to its room after the most this round can settle: none where this round
-        may end it (verified once more on its last token, for nothing). The host would cut them to the room
-        this round leaves, so near its end a row verifies fewer drafts launched ahead, never other tokens:
-        without the cut, one row within k + 2 tokens of its end kept its whole batch from being launched
-        ahead (SmolLM2 at batch 16 launched 56% of its rounds ahead in static batches, 20-23% under
+        settled: the same rows (nothing waits to join, no row sits out, no step is out), greedy. Each row
+        verifies the drafts it asked for, cut to its room after the most this round can settle: none where
+        this round may end it (verified once more on its last token, for nothing). The host would cut them to
+        the room this round leaves, so near its end a row verifies fewer drafts launched ahead, never other
+        tokens: without the cut, one row within k + 2 tokens of its end kept its whole batch from being
+        launched ahead (SmolLM2 at batch 16 launched 56% of its rounds ahead in static batches, 20-23% under
         sustained load, for this and other reasons: session 48)."""
         if not (self.config.launch_ahead and self.link.drafts_readable_on_device):
             return None
-        if self.waiting or not self._steady([r for r in live if r.live], queue, carry):
+        if self.waiting or not self._steady(live, queue, carry):
             return None
         counts = []
-        for i, want in zip(queue, wants, strict=True):
-            r, k = live[i], num_drafts[i]
+        for r, k, want in zip(live, num_drafts, wants, strict=True):
             context_room = self.max_context - len(r.tokens) - 1 - (k + 1)
             room = min(context_room, r.params.max_tokens - r.num_output - 1 - (k + 1))
             if want.temperature > 0 or context_room < 0:  # (its last token would fall off the context)
@@ -1314,29 +1312,23 @@ class Scheduler:
         ids = {r.id for r in live}
         return not any(r.live and r.id not in ids for r in self.running)
 
-    def _launch_ahead(self, live: list[Request], queue: list[int], wants: list[Want], counts: list[int],
-                      packed: torch.Tensor, starts: list[int]) -> tuple[QueuedDrafts, _Ahead | None]:
+    def _launch_ahead(self, live: list[Request], wants: list[Want], counts: list[int], packed: torch.Tensor,
+                      starts: list[int]) -> tuple[QueuedDrafts, _Ahead | None]:
         """The next round's forward, queued behind this round's sampler and the drafter's write of the drafts
-        queued behind that: each row of `queue` (this round's live ones) fed the last token the sampler emits
-        (read there, on the device) and `counts` of its drafts, read where the drafter writes them. The host
-        launches it before this round's tokens are back, so the GPU does not idle while the host settles them
-        and prepares the next launch (session 40: 1.3 ms of such host work a round at batch 16, for a 1.4 ms
-        verification). Its sampler is launched with the next round, once these tokens are settled. Returns
-        the queued drafts (taken from the link) and the round, or None if the drafts are not readable on the
-        device after all."""
-        began = time.perf_counter()
-        rows = [live[i] for i in queue]
-        ids = [r.id for r in rows]
+        queued behind that: each row fed the last token the sampler emits (read there, on the device) and
+        `counts` of its drafts, read where the drafter writes them. The host launches it before this round's
+        tokens are back, so the GPU does not idle while the host settles them and prepares the next launch
+        (session 40: 1.3 ms of such host work a round at batch 16, for a 1.4 ms verification). Its sampler is
+        launched with the next round, once these tokens are settled. Returns the queued drafts (taken from the
+        link) and the round, or None if the drafts are not readable on the device after all."""
+        began, ids = time.perf_counter(), [r.id for r in live]
         queued = self.link.take_drafts(ids, wants, [])
         batch = self._read_on_device(queued, ids, counts)
         if batch is None:
             return queued, None
         self.metrics.launched_ahead.inc()
-        if len(rows) < len(live):  # the sampler's rows of those left out are skipped on the device
-            packed = packed.index_select(0, upload(torch.tensor(queue), packed.device))
-        starts = [starts[i] for i in queue]
-        out = self._forward(rows, batch, starts, [], follow=packed)
-        return queued, _Ahead(rows, batch, out, starts, time.perf_counter() - began)
+        out = self._forward(live, batch, starts, [], follow=packed)
+        return queued, _Ahead(live, batch, out, list(starts), time.perf_counter() - began)
 
     @torch.inference_mode()
     def _collect_verification(self, launch: _Launch) -> _Step:
