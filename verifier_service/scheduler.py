@@ -1291,11 +1291,10 @@ class Scheduler:
             return None
         counts = []
         for r, k, want in zip(live, num_drafts, wants, strict=True):
-            context_room = self.max_context - len(r.tokens) - 1 - (k + 1)
-            room = min(context_room, r.params.max_tokens - r.num_output - 1 - (k + 1))
-            if want.temperature > 0 or context_room < 0:  # (its last token would fall off the context)
-                return None
-            counts.append(min(want.num_drafts, max(room, 0)))
+            settled = k + 1  # the most this round can settle
+            if want.temperature > 0 or self.max_context - len(r.tokens) - 1 < settled:
+                return None  # (its last token would fall off the context)
+            counts.append(min(want.num_drafts, max(self._room(r) - settled, 0)))
         return counts
 
     def _steady(self, live: list[Request], queue: list[int], carry: list[Request]) -> bool:
@@ -1454,9 +1453,12 @@ class Scheduler:
         held = sum(r.drafter_len > 0 for r in self.running)
         return max(0, limit - held) if limit else len(self.running)
 
+    def _room(self, r: Request) -> int:
+        """Tokens r has room for beside its next one: in its context and in its max_tokens."""
+        return min(self.max_context - len(r.tokens), r.params.max_tokens - r.num_output) - 1
+
     def _num_drafts(self, r: Request) -> int:
-        room = min(self.max_context - len(r.tokens), r.params.max_tokens - r.num_output) - 1
-        return max(0, min(self.config.num_speculative_tokens, self.link.info.max_num_drafts, room))
+        return max(0, min(self.config.num_speculative_tokens, self.link.info.max_num_drafts, self._room(r)))
 
     def _want_for(self, r: Request, k: int) -> Want:
         p = r.params
